@@ -1,0 +1,11 @@
+# Installs the pure-Python package for catkin (catkin_python_setup); not for pip.
+from setuptools import setup
+from catkin_pkg.python_setup import generate_distutils_setup
+
+setup(**generate_distutils_setup(packages=[
+    "robot_offload",
+    "robot_offload.models",
+    "robot_offload.backends",
+    "robot_offload.transport",
+    "robot_offload.ros",
+], package_dir={"": "src"}))

@@ -1,0 +1,19 @@
+"""``local``: the whole model on the robot (the baseline, and every fallback)."""
+
+import time
+
+import torch
+
+from robot_offload.backends.base import Backend, register_backend
+
+
+@register_backend
+class LocalBackend(Backend):
+    name = "local"
+
+    def infer(self, x, stats, timeout_s):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            y = self.ctx.model(x)
+        stats.robot_compute_s += time.perf_counter() - t0
+        return y

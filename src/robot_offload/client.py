@@ -1,0 +1,138 @@
+"""The offload client's logic, independent of ROS: pick the backend for the current mode,
+run the frame within its deadline, and fall back to the local model when the server is
+down, slow or refuses. The ROS node (:mod:`robot_offload.ros.client_node`) only feeds it
+frames and publishes what it returns."""
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from robot_offload import backends
+from robot_offload.codec import CODECS, COMPRESSIONS
+from robot_offload.errors import ConfigError, OffloadError, RemoteError, TransportError
+from robot_offload.link import ServerLink
+from robot_offload.models import get_spec, weights_hash
+from robot_offload.stats import FrameStats
+from robot_offload.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientConfig:
+    """Settings of the offload client (``~`` parameters of offload_client)."""
+
+    model: str = "resnet18"
+    mode: str = "local"
+    timeout_s: float = 1.0          # deadline of the server calls of one frame (s)
+    retry_interval_s: float = 0.5   # how often a down server is probed (s)
+    load_timeout_s: float = 60.0    # deadline of a load_model call (s)
+    codec: str = "raw"              # input/activation codec: raw, float16, int8
+    compression: str = "none"       # none or zstd
+    output_codec: str = "raw"       # codec the server uses for outputs
+    input_size: Sequence[int] = ()  # override the registry's input size; () = default
+    weights: str = ""               # local weights file; "" = registry's seeded weights
+    client_id: str = field(default_factory=lambda: "client-" + uuid.uuid4().hex[:8])
+    num_threads: int = 0            # torch intra-op threads on the robot; 0 = torch default
+
+    def validate(self) -> "ClientConfig":
+        get_spec(self.model)
+        if self.mode not in backends.modes():
+            raise ConfigError(f"unknown mode {self.mode!r}; known: {', '.join(backends.modes())}")
+        if not self.timeout_s > 0 or not self.retry_interval_s > 0 or not self.load_timeout_s > 0:
+            raise ConfigError("timeout_s, retry_interval_s and load_timeout_s must be positive")
+        for name, value, known in (("codec", self.codec, CODECS), ("output_codec", self.output_codec, CODECS),
+                                   ("compression", self.compression, COMPRESSIONS)):
+            if value not in known:
+                raise ConfigError(f"unknown {name} {value!r}; known: {list(known)}")
+        if self.input_size and any(int(s) <= 0 for s in self.input_size):
+            raise ConfigError(f"input_size must be positive, got {list(self.input_size)}")
+        return self
+
+
+class OffloadClient:
+    """Runs frames through the backend of the current mode, with local fallback."""
+
+    def __init__(self, config: ClientConfig, transport: Optional[Transport]):
+        self.config = config.validate()
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.spec = get_spec(config.model)
+        self.model = self.spec.build(config.weights or None)
+        self.weights_hash = weights_hash(self.model)
+        self.link = None
+        if transport is not None:
+            self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash,
+                                   load_timeout_s=config.load_timeout_s,
+                                   retry_interval_s=config.retry_interval_s)
+        self._ctx = backends.BackendContext(self.spec, self.model, self.link, config)
+        self._backends = {}
+        self._lock = threading.Lock()
+        self.fallbacks = 0
+        self.mode = config.mode
+        self._get_backend(self.mode)
+        self._local = self._get_backend("local")
+
+    @property
+    def input_size(self) -> Tuple[int, ...]:
+        return tuple(self.config.input_size) or self.spec.input_size
+
+    def connect(self, timeout_s: Optional[float] = None) -> bool:
+        """Reach the server and load the model there (probing in the background if not)."""
+        return self.link.connect(timeout_s) if self.link is not None else False
+
+    def set_mode(self, mode: str) -> str:
+        """Switch backend from the next frame on; returns the previous mode. An unknown
+        mode raises ConfigError and the current mode is kept."""
+        self._get_backend(mode)
+        previous, self.mode = self.mode, mode
+        if previous != mode:
+            log.info("mode %s -> %s", previous, mode)
+        return previous
+
+    def preprocess(self, frame) -> torch.Tensor:
+        return self.spec.preprocess(frame, self.input_size)
+
+    def infer(self, x: torch.Tensor, stats: Optional[FrameStats] = None):
+        """Run one batched input; returns ``(outputs, stats)``. Never raises for server
+        trouble: the frame is computed locally and ``stats.fallback_reason`` says why."""
+        mode = self.mode
+        stats = stats or FrameStats()
+        stats.mode, stats.model = mode, self.config.model
+        t0 = time.perf_counter()
+        backend = self._get_backend(mode)
+        outputs = None
+        if backend.needs_server and not self.link.available:
+            stats.fallback_reason = f"server unavailable: {self.link.last_error}"
+        else:
+            try:
+                outputs = backend.infer(x, stats, self.config.timeout_s)
+                stats.executed_mode = mode
+            except (TransportError, RemoteError) as e:
+                stats.fallback_reason = f"{type(e).__name__}: {e}"
+                self.link.mark_down(stats.fallback_reason)
+        if outputs is None:
+            if backend.needs_server:
+                self.fallbacks += 1
+            outputs = self._local.infer(x, stats, self.config.timeout_s)
+            stats.executed_mode = "local"
+        stats.processing_s = time.perf_counter() - t0
+        return outputs, stats
+
+    def close(self) -> None:
+        for b in self._backends.values():
+            b.close()
+        if self.link is not None:
+            self.link.close()
+            self.link.transport.close()
+
+    def _get_backend(self, mode: str) -> backends.Backend:
+        with self._lock:
+            if mode not in self._backends:
+                self._backends[mode] = backends.make_backend(mode, self._ctx)
+            return self._backends[mode]

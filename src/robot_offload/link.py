@@ -1,0 +1,130 @@
+"""The client's connection to one offload server: model loading, health and reconnect.
+
+A :class:`ServerLink` is shared by every server-using backend of a client. It knows
+whether the server is usable right now. When a call fails, the link is marked down and a
+background prober pings the server every ``retry_interval_s``; frames meanwhile go to the
+local model without waiting for any deadline. When a ping answers, the model is loaded
+again (the server may have restarted and lost it) and offloading resumes, so recovery
+takes at most one retry interval plus one load.
+"""
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional
+
+from robot_offload.errors import HashMismatch, ModelNotLoaded, OffloadError, TransportError
+from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
+                                    PingRequest, raise_for_status)
+from robot_offload.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+
+class ServerLink:
+    def __init__(self, transport: Transport, client_id: str, model: str, weights_hash: str,
+                 load_timeout_s: float = 30.0, retry_interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        self.transport = transport
+        self.client_id = client_id
+        self.model = model
+        self.weights_hash = weights_hash
+        self.load_timeout_s = load_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.clock = clock
+        self.server_id = ""
+        self.device = ""
+        self.last_error = "not connected yet"
+        self._up = threading.Event()
+        self._refused = False          # hash mismatch: never offload with these weights
+        self._stop = threading.Event()
+        self._prober: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self.listeners: List[Callable[[str], None]] = []   # told "up"/"down" on changes
+
+    @property
+    def available(self) -> bool:
+        return self._up.is_set() and not self._refused
+
+    def connect(self, timeout_s: Optional[float] = None) -> bool:
+        """Try once to reach the server and load the model; start probing on failure."""
+        try:
+            self._load(timeout_s or self.load_timeout_s)
+        except (TransportError, OffloadError) as e:
+            self.mark_down(str(e))
+            return False
+        self._set_up()
+        return True
+
+    def compute(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
+        """One compute call within ``timeout_s``; reloads the model once if the server lost
+        it. Raises TransportError / RemoteError; the caller falls back and calls
+        :meth:`mark_down`."""
+        deadline = self.clock() + timeout_s
+        response = self.transport.call("compute", request, timeout_s)
+        try:
+            raise_for_status(response.status, response.status_text)
+        except ModelNotLoaded:
+            self._load(deadline - self.clock())
+            response = self.transport.call("compute", request, deadline - self.clock())
+            raise_for_status(response.status, response.status_text)
+        return response
+
+    def mark_down(self, reason: str) -> None:
+        """Record a failure and start probing in the background (idempotent)."""
+        self.last_error = reason
+        was_up = self._up.is_set()
+        self._up.clear()
+        if was_up:
+            log.warning("offload server unavailable: %s", reason)
+            self._notify("down")
+        if self._refused:
+            return
+        with self._lock:
+            if self._prober is None or not self._prober.is_alive():
+                self._prober = threading.Thread(target=self._probe_loop, name="server-prober",
+                                                daemon=True)
+                self._prober.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._prober is not None:
+            self._prober.join(timeout=2.0)
+
+    # -- internals --------------------------------------------------------------------
+    def _load(self, timeout_s: float) -> None:
+        response = self.transport.call("load_model", LoadModelRequest(
+            client_id=self.client_id, model=self.model, weights_hash=self.weights_hash), timeout_s)
+        try:
+            raise_for_status(response.status, response.status_text)
+        except HashMismatch:
+            self._refused = True
+            log.error("offloading disabled: %s", response.status_text)
+            raise
+        self.device = response.device
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.retry_interval_s):
+            if self._up.is_set() or self._refused:
+                return
+            try:
+                ping = self.transport.call("ping", PingRequest(client_id=self.client_id),
+                                           max(self.retry_interval_s, 0.2))
+                raise_for_status(ping.status, ping.status_text)
+                self._load(self.load_timeout_s)
+            except (TransportError, OffloadError) as e:
+                self.last_error = str(e)
+                continue
+            self.server_id = ping.server_id
+            self._set_up()
+            return
+
+    def _set_up(self) -> None:
+        if not self._up.is_set():
+            self._up.set()
+            log.info("offload server available (%s)", self.device)
+            self._notify("up")
+
+    def _notify(self, state: str) -> None:
+        for fn in list(self.listeners):
+            fn(state)

@@ -1,0 +1,138 @@
+"""Model registry: a name to a constructor, its preprocessing and a weights hash.
+
+Both the robot and the server build models from this registry, so only a name and a hash
+cross the network, never code or weights. Weights are random (seeded per name, identical
+on every machine) unless a weights file is given; timings are real, labels meaningless.
+
+    spec = get_spec("resnet101")
+    model = spec.build()                      # eval mode, CPU
+    x = spec.preprocess(image_hwc_uint8)      # 1 x 3 x H x W float32
+"""
+
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from robot_offload.errors import ConfigError, UnknownModelError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a registry entry knows about a model.
+
+    ``input_kind`` is ``image`` (uint8 H x W x 3 RGB in, resized to ``input_size`` = (H, W)
+    and normalised with ``mean``/``std``) or ``pointcloud`` (N x 3+ float32 points in,
+    voxelised to ``input_size`` = (X, Y, Z) voxels). ``test_input_size`` is a small size at
+    which the model still runs, for unit tests.
+    """
+
+    name: str
+    task: str
+    input_kind: str
+    input_size: Tuple[int, ...]
+    test_input_size: Tuple[int, ...]
+    constructor: Callable[[], nn.Module] = field(repr=False)
+    mean: Tuple[float, ...] = IMAGENET_MEAN
+    std: Tuple[float, ...] = IMAGENET_STD
+    description: str = ""
+
+    @property
+    def seed(self) -> int:
+        """Seed of the random weights: fixed per name, the same on every machine."""
+        return zlib.crc32(self.name.encode())
+
+    def build(self, weights_path: Optional[str] = None) -> nn.Module:
+        """Construct the model in eval mode on the CPU, with seeded random weights or the
+        weights from ``weights_path`` (a state dict file on this machine)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = self.constructor()
+        if weights_path:
+            from robot_offload.models.weights import load_state_dict_file
+            model.load_state_dict(load_state_dict_file(weights_path))
+        return model.eval()
+
+    def preprocess(self, data: np.ndarray, input_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Turn one raw frame into the batched model input (robot side)."""
+        size = tuple(input_size or self.input_size)
+        if self.input_kind == "image":
+            return preprocess_image(data, size, self.mean, self.std)
+        from robot_offload.models.agrnav import voxelize
+        return voxelize(data, grid=size)
+
+    def example_input(self, input_size: Optional[Sequence[int]] = None, seed: int = 0) -> torch.Tensor:
+        """A deterministic synthetic input at ``input_size`` (default: the model's)."""
+        size = tuple(input_size or self.input_size)
+        rng = np.random.default_rng(seed)
+        if self.input_kind == "image":
+            return self.preprocess(rng.integers(0, 256, (size[0], size[1], 3), dtype=np.uint8), size)
+        from robot_offload.models.agrnav import synthetic_scene
+        return self.preprocess(synthetic_scene(seed), size)
+
+
+def preprocess_image(image: np.ndarray, size: Sequence[int], mean: Sequence[float],
+                     std: Sequence[float]) -> torch.Tensor:
+    """uint8 H x W x 3 (RGB) -> float32 1 x 3 x size[0] x size[1], scaled to 0..1,
+    bilinearly resized and normalised. Grey images are repeated to three channels."""
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
+        raise ConfigError("an image must be a uint8 numpy array")
+    if image.ndim == 2:
+        image = np.repeat(image[:, :, None], 3, axis=2)
+    if image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
+        raise ConfigError(f"an image must be H x W x 3, got {image.shape}")
+    x = torch.from_numpy(np.ascontiguousarray(image[:, :, :3])).permute(2, 0, 1)[None].float() / 255.0
+    if tuple(x.shape[2:]) != tuple(size):
+        x = nn.functional.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    return ((x - m) / s).contiguous()
+
+
+_REGISTRY: Dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in _REGISTRY:
+        raise ConfigError(f"model {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def names() -> list:
+    """Registered model names, sorted."""
+    _ensure_loaded()
+    return sorted(_REGISTRY)
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` for ``name``; :class:`UnknownModelError` lists the known ones."""
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def weights_hash(model: nn.Module) -> str:
+    """sha256 over the state dict (names, dtypes, shapes and bytes, in order): equal hashes
+    mean the two sides compute the same function."""
+    h = hashlib.sha256()
+    for key, value in model.state_dict().items():
+        t = value.detach().to("cpu").contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _ensure_loaded():
+    if not _REGISTRY:
+        from robot_offload.models import zoo  # noqa: F401  (registers the entries)

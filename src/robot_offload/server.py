@@ -1,0 +1,256 @@
+"""The offload server's logic, independent of ROS.
+
+:class:`OffloadServer` answers the three protocol methods (``load_model``, ``compute``,
+``ping``). It never raises out of :meth:`OffloadServer.handle`: every failure becomes a
+status code and a text, so one bad request cannot take the server down for every robot.
+
+``compute`` dispatches on ``entry`` to an executor. Executors are registered with
+:func:`executor`; this module registers ``forward`` (the whole model, for full offload).
+Later backends register their own (partition tails, per-operator execution on tensor
+handles, replays, spatial parts) without touching this dispatch.
+"""
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from robot_offload import codec, structure
+from robot_offload.codec import PayloadTooLarge
+from robot_offload.errors import CodecError, ConfigError, UnknownModelError
+from robot_offload.models import get_spec, weights_hash
+from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
+                                    LoadModelResponse, PingRequest, PingResponse, StatusCode)
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    """Raised inside the server to answer with ``code`` and ``text``."""
+
+    def __init__(self, code: StatusCode, text: str):
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the offload server (``~`` parameters of offload_server)."""
+
+    device: str = "auto"                 # auto, cpu, cuda, cuda:N
+    max_request_bytes: int = 256 * 1024 * 1024  # summed tensor payload of one request (bytes)
+    max_input_elements: int = 64 * 1024 * 1024  # elements of one decoded input tensor
+    allowed_models: tuple = ()           # empty: every registry model may be loaded
+    weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
+
+    def validate(self) -> "ServerConfig":
+        if self.max_request_bytes <= 0 or self.max_input_elements <= 0:
+            raise ConfigError("max_request_bytes and max_input_elements must be positive")
+        resolve_device(self.device)
+        return self
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {name!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for but CUDA is not available")
+    return dev
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    module: torch.nn.Module
+    weights_hash: str
+    device: torch.device
+    load_time_s: float
+
+
+Executor = Callable[["OffloadServer", LoadedModel, ComputeRequest], ComputeResponse]
+EXECUTORS: Dict[str, Executor] = {}
+
+
+def executor(entry: str):
+    """Register ``fn(server, loaded_model, request) -> ComputeResponse`` for ``entry``."""
+    def deco(fn):
+        EXECUTORS[entry] = fn
+        return fn
+    return deco
+
+
+class OffloadServer:
+    """Holds the loaded models and answers requests; thread-safe (one ROS thread per
+    connection calls :meth:`handle` concurrently)."""
+
+    def __init__(self, config: Optional[ServerConfig] = None):
+        self.config = (config or ServerConfig()).validate()
+        self.device = resolve_device(self.config.device)
+        self.server_id = uuid.uuid4().hex[:12]
+        self._models: Dict[str, LoadedModel] = {}
+        self._lock = threading.Lock()
+        self._load_locks: Dict[str, threading.Lock] = {}
+        self.requests_total = 0
+        self.requests_failed = 0
+
+    # -- dispatch ---------------------------------------------------------------------
+    def handle(self, method: str, request):
+        """Answer one request. Never raises: errors become a status in the response."""
+        handler, response_type = {
+            "load_model": (self._load_model, LoadModelResponse),
+            "compute": (self._compute, ComputeResponse),
+            "ping": (self._ping, PingResponse),
+        }.get(method, (None, None))
+        with self._lock:
+            self.requests_total += 1
+        if handler is None:
+            return ComputeResponse(status=StatusCode.UNKNOWN_ENTRY, status_text=f"unknown method {method!r}")
+        try:
+            return handler(request)
+        except RequestRejected as e:
+            code, text = e.code, e.text
+        except PayloadTooLarge as e:
+            code, text = StatusCode.TOO_LARGE, str(e)
+        except (CodecError, ConfigError) as e:
+            code, text = StatusCode.BAD_REQUEST, str(e)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            code, text = StatusCode.BUSY, f"server out of GPU memory: {e}"
+        except Exception as e:  # noqa: BLE001 - the server must survive any request
+            log.exception("request %s failed", method)
+            code, text = StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        with self._lock:
+            self.requests_failed += 1
+        log.warning("%s refused: %s %s", method, StatusCode(code).name, text)
+        return response_type(status=code, status_text=text)
+
+    # -- methods ----------------------------------------------------------------------
+    def _ping(self, req: PingRequest) -> PingResponse:
+        if len(req.payload) > self.config.max_request_bytes:
+            raise RequestRejected(StatusCode.TOO_LARGE, "ping payload above max_request_bytes")
+        with self._lock:
+            loaded = sorted(self._models)
+        return PingResponse(status=StatusCode.OK, server_id=self.server_id, loaded_models=loaded,
+                            device=str(self.device), payload=bytes(req.payload))
+
+    def _load_model(self, req: LoadModelRequest) -> LoadModelResponse:
+        loaded = self.load(req.model)
+        if req.weights_hash and req.weights_hash != loaded.weights_hash:
+            raise RequestRejected(StatusCode.HASH_MISMATCH,
+                                  f"{req.model}: client weights {req.weights_hash[:12]} differ from "
+                                  f"server weights {loaded.weights_hash[:12]}")
+        return LoadModelResponse(status=StatusCode.OK, weights_hash=loaded.weights_hash,
+                                 device=str(loaded.device), load_time_s=loaded.load_time_s)
+
+    def _compute(self, req: ComputeRequest) -> ComputeResponse:
+        t0 = time.perf_counter()
+        if req.payload_bytes > self.config.max_request_bytes:
+            raise RequestRejected(StatusCode.TOO_LARGE, f"request of {req.payload_bytes} bytes; "
+                                  f"max_request_bytes is {self.config.max_request_bytes}")
+        with self._lock:
+            loaded = self._models.get(req.model)
+        if loaded is None:
+            raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
+        run = EXECUTORS.get(req.entry)
+        if run is None:
+            raise RequestRejected(StatusCode.UNKNOWN_ENTRY,
+                                  f"unknown entry {req.entry!r}; known: {sorted(EXECUTORS)}")
+        resp = run(self, loaded, req)
+        resp.server_total_s = time.perf_counter() - t0
+        return resp
+
+    # -- helpers for executors ----------------------------------------------------------
+    def load(self, name: str) -> LoadedModel:
+        """Build (once) and return a registry model on the server's device."""
+        if self.config.allowed_models and name not in self.config.allowed_models:
+            raise RequestRejected(StatusCode.UNAUTHORIZED, f"model {name!r} is not allowed here")
+        try:
+            spec = get_spec(name)
+        except UnknownModelError as e:
+            raise RequestRejected(StatusCode.UNKNOWN_MODEL, str(e)) from e
+        with self._lock:
+            if name in self._models:
+                return self._models[name]
+            build_lock = self._load_locks.setdefault(name, threading.Lock())
+        with build_lock:
+            with self._lock:
+                if name in self._models:
+                    return self._models[name]
+            t0 = time.perf_counter()
+            module = spec.build(self._weights_path(name))
+            digest = weights_hash(module)
+            module = module.to(self.device)
+            loaded = LoadedModel(name, module, digest, self.device, time.perf_counter() - t0)
+            with self._lock:
+                self._models[name] = loaded
+            log.info("loaded %s on %s in %.2f s (weights %s)", name, self.device,
+                     loaded.load_time_s, digest[:12])
+            return loaded
+
+    def _weights_path(self, name: str) -> Optional[str]:
+        import os
+        if not self.config.weights_dir:
+            return None
+        for ext in (".safetensors", ".pt", ".pth"):
+            path = os.path.join(self.config.weights_dir, name + ext)
+            if os.path.isfile(path):
+                return path
+        return None
+
+    def decode_inputs(self, req: ComputeRequest):
+        """Decode the request's tensors onto the server's device, enforcing the limits."""
+        out = []
+        for enc in req.tensors:
+            t = codec.decode(enc, max_bytes=self.config.max_request_bytes)
+            if t.numel() > self.config.max_input_elements:
+                raise RequestRejected(StatusCode.TOO_LARGE, f"tensor {enc.name!r} has {t.numel()} "
+                                      f"elements; max_input_elements is {self.config.max_input_elements}")
+            out.append(t.to(self.device, non_blocking=True))
+        return out
+
+    def encode_outputs(self, outputs, req: ComputeRequest):
+        """Flatten and encode outputs as the client asked (codec and compression)."""
+        leaves, spec = structure.flatten(outputs)
+        encoded = [codec.encode(t, name=f"out{i}", codec=req.output_codec,
+                                compression=req.output_compression) for i, t in enumerate(leaves)]
+        return encoded, spec
+
+    def synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@executor("forward")
+def _forward(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+    """Whole-model inference on the request's single input tensor (full offload)."""
+    if len(req.tensors) != 1:
+        raise RequestRejected(StatusCode.BAD_REQUEST, f"forward takes 1 input tensor, got {len(req.tensors)}")
+    (x,) = server.decode_inputs(req)
+    if not x.is_floating_point():
+        raise RequestRejected(StatusCode.BAD_REQUEST, f"forward needs a floating input, got {x.dtype}")
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            y = loaded.module(x)
+        server.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+        # Shape/dtype mismatches surface as these inside forward: the request is at fault.
+        raise RequestRejected(StatusCode.BAD_REQUEST, f"{loaded.name} rejected the input "
+                              f"{list(x.shape)}: {str(e).splitlines()[0][:300]}") from e
+    compute_s = time.perf_counter() - t0
+    tensors, spec = server.encode_outputs(y, req)
+    return ComputeResponse(status=StatusCode.OK, tensors=tensors, structure_json=spec,
+                           result_json=json.dumps({"input_shape": list(x.shape)}),
+                           server_compute_s=compute_s)

@@ -1,0 +1,52 @@
+"""The transport seam between backends and the server (the tf2 BufferInterface shape).
+
+A backend calls ``transport.call(method, request, timeout_s)`` for a blocking round trip,
+or ``transport.submit(...)`` for a future, so that it can overlap several transfers with
+its own computation (the lop backend streams spatial parts this way). Implementations:
+
+* :class:`robot_offload.transport.inproc.InProcessTransport` -- the server object in the
+  same process; unit tests run a client and a server with no roscore.
+* :class:`robot_offload.ros.transport.RosServiceTransport` -- persistent rospy service
+  connections with reconnect.
+
+Every call has a deadline. A call that misses it raises
+:class:`~robot_offload.errors.OffloadTimeout`; an unreachable server raises
+:class:`~robot_offload.errors.ServerUnavailable`. Both are
+:class:`~robot_offload.errors.TransportError`, which callers answer by computing locally.
+"""
+
+import abc
+import concurrent.futures
+import threading
+
+from robot_offload.errors import ConfigError, OffloadTimeout
+from robot_offload.protocol import METHODS
+
+
+class Transport(abc.ABC):
+    """Carries one request to the server and returns its response, within a deadline."""
+
+    def __init__(self, max_parallel_calls: int = 4):
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_parallel_calls, thread_name_prefix=type(self).__name__)
+        self._closed = threading.Event()
+
+    @abc.abstractmethod
+    def _call(self, method: str, request, timeout_s: float):
+        """Do the call. Implementations enforce ``timeout_s`` and raise TransportError."""
+
+    def call(self, method: str, request, timeout_s: float):
+        """Blocking round trip with a deadline of ``timeout_s`` seconds."""
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; known: {sorted(METHODS)}")
+        if not timeout_s > 0:
+            raise OffloadTimeout(f"{method}: no time left before the deadline")
+        return self._call(method, request, timeout_s)
+
+    def submit(self, method: str, request, timeout_s: float) -> concurrent.futures.Future:
+        """Start a call in the background; the future raises what :meth:`call` would."""
+        return self._pool.submit(self.call, method, request, timeout_s)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
