@@ -6,7 +6,7 @@
 #
 # Everything it builds stays inside the repository, in git-ignored folders:
 #   .venv/         Python venv (system site packages: Debian's ROS Python modules)
-#   .catkin_ws/    catkin workspace whose src/robot_offload links back to the repo root
+#   .catkin_ws/    catkin workspace whose src/robot_offload links to the repo's entries
 # Environment overrides: ROBOT_OFFLOAD_VENV (venv path), ROBOT_OFFLOAD_SKIP_APT=1.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,12 +56,21 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
 fi
 
 # 3. The catkin workspace: the repository itself is the package.
-mkdir -p "$ws/src"
-[ -L "$ws/src/robot_offload" ] || ln -sfn "$repo" "$ws/src/robot_offload"
+# The package folder in the workspace links to each top-level entry of the repository
+# rather than being one link to the repository: a link to the repo would put the
+# workspace (and the venv) inside the package, and rosrun's `find -L` would walk them and
+# loop.
+pkg="$ws/src/robot_offload"
+[ -L "$pkg" ] && rm -f "$pkg"
+mkdir -p "$pkg"
+find "$pkg" -maxdepth 1 -type l ! -exec test -e {} \; -delete
+for entry in "$repo"/*; do
+  ln -sfn "$entry" "$pkg/$(basename "$entry")"
+done
 set +u; source "$venv/bin/activate"; set -u
 export ROS_HOME="$ws/ros_home" ROS_LOG_DIR="$ws/ros_home/log"
 srcstamp="$ws/.source.sha256"
-srchash="$(cd "$repo" && cat package.xml CMakeLists.txt setup.py msg/*.msg srv/*.srv 2>/dev/null | sha256sum | cut -d' ' -f1)"
+srchash="$(cd "$repo" && { cat package.xml CMakeLists.txt setup.py msg/*.msg srv/*.srv; ls nodes test/rostest 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$ws/devel/setup.bash" ] || [ "$(cat "$srcstamp" 2>/dev/null)" != "$srchash" ]; then
   log "catkin_make in $ws"
   (cd "$ws" && catkin_make -DPYTHON_EXECUTABLE="$venv/bin/python" >"$ws/catkin_make.log" 2>&1) \

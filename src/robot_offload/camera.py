@@ -1,0 +1,113 @@
+"""Frame sources for camera_node: a synthetic moving pattern (the default, so the demo
+needs no hardware), a folder of images, a video file or a V4L2 device. All return RGB
+uint8 H x W x 3 arrays; ``read()`` returns None at the end of a non-looping source."""
+
+import glob
+import os
+from typing import Optional
+
+import numpy as np
+
+from robot_offload.errors import ConfigError
+
+_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm")
+
+
+class SyntheticSource:
+    """Moving coloured squares over a shifting gradient: deterministic per frame index,
+    so two runs (or two modes in a benchmark) see the same frames."""
+
+    def __init__(self, width: int = 640, height: int = 480, seed: int = 0):
+        if width <= 0 or height <= 0:
+            raise ConfigError(f"synthetic size must be positive, got {width}x{height}")
+        self.width, self.height = width, height
+        rng = np.random.default_rng(seed)
+        self._squares = [(rng.integers(0, 256, 3).astype(np.uint8), rng.uniform(0.05, 0.2),
+                          rng.uniform(0, 2 * np.pi, 2), rng.uniform(0.02, 0.08, 2)) for _ in range(5)]
+        yy, xx = np.mgrid[0:height, 0:width]
+        self._base = ((xx * 255 // max(width - 1, 1)).astype(np.uint8),
+                      (yy * 255 // max(height - 1, 1)).astype(np.uint8))
+        self.index = 0
+
+    def read(self) -> np.ndarray:
+        i = self.index
+        self.index += 1
+        gx, gy = self._base
+        img = np.stack([gx + np.uint8(i % 256), gy, np.full_like(gx, (i * 3) % 256)], axis=2)
+        for color, size, phase, speed in self._squares:
+            s = int(size * min(self.width, self.height))
+            cx = int((0.5 + 0.4 * np.sin(phase[0] + speed[0] * i)) * (self.width - s))
+            cy = int((0.5 + 0.4 * np.sin(phase[1] + speed[1] * i)) * (self.height - s))
+            img[cy:cy + s, cx:cx + s] = color
+        return img
+
+    def close(self):
+        pass
+
+
+class FolderSource:
+    """Images of a folder in name order, looping by default."""
+
+    def __init__(self, path: str, loop: bool = True):
+        self.files = sorted(f for f in glob.glob(os.path.join(path, "*"))
+                            if f.lower().endswith(_IMAGE_EXTS))
+        if not self.files:
+            raise ConfigError(f"no images ({', '.join(_IMAGE_EXTS)}) in {path!r}")
+        self.loop, self.index = loop, 0
+
+    def read(self) -> Optional[np.ndarray]:
+        import cv2
+        if self.index >= len(self.files):
+            if not self.loop:
+                return None
+            self.index = 0
+        path = self.files[self.index]
+        self.index += 1
+        bgr = cv2.imread(path, cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise ConfigError(f"cannot read image {path!r}")
+        return bgr[:, :, ::-1].copy()
+
+    def close(self):
+        pass
+
+
+class VideoSource:
+    """A video file or a V4L2 device (``/dev/videoN`` or an index) through OpenCV."""
+
+    def __init__(self, uri: str, loop: bool = True, width: int = 0, height: int = 0):
+        import cv2
+        self.uri, self.loop = uri, loop
+        target = int(uri) if uri.isdigit() else uri
+        self.cap = cv2.VideoCapture(target)
+        if width and height:
+            self.cap.set(cv2.CAP_PROP_FRAME_WIDTH, width)
+            self.cap.set(cv2.CAP_PROP_FRAME_HEIGHT, height)
+        if not self.cap.isOpened():
+            raise ConfigError(f"cannot open video source {uri!r}")
+        self.is_file = os.path.isfile(uri)
+
+    def read(self) -> Optional[np.ndarray]:
+        ok, bgr = self.cap.read()
+        if not ok and self.is_file and self.loop:
+            import cv2
+            self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+            ok, bgr = self.cap.read()
+        if not ok:
+            return None
+        return bgr[:, :, ::-1].copy()
+
+    def close(self):
+        self.cap.release()
+
+
+def open_source(source: str, width: int = 640, height: int = 480, loop: bool = True, seed: int = 0):
+    """``synthetic``, a folder of images, a video file, ``/dev/videoN`` or a device index."""
+    if source in ("", "synthetic"):
+        return SyntheticSource(width, height, seed)
+    if os.path.isdir(source):
+        return FolderSource(source, loop)
+    if source.startswith("/dev/video") or source.isdigit() or os.path.isfile(source):
+        return VideoSource(source, loop, width, height)
+    raise ConfigError(f"unknown camera source {source!r}: use synthetic, a folder, a video file "
+                      f"or /dev/videoN")

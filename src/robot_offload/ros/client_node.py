@@ -1,0 +1,120 @@
+"""offload_client: frames in, results and InferenceStats out.
+
+Subscribes to ``image`` (sensor_msgs/Image) or ``points`` (sensor_msgs/PointCloud2),
+keeps only the newest frame (counting drops), runs it through
+:class:`~robot_offload.client.OffloadClient` on a worker thread and publishes ``result``
+(InferenceResult) and ``stats`` (InferenceStats). The mode follows the ``~mode`` parameter
+(a cached, master-pushed parameter: ``rosparam set`` takes effect on the next frame at no
+per-frame cost) and the ``~set_mode`` service.
+"""
+
+import threading
+
+import rospy
+from sensor_msgs.msg import Image, PointCloud2
+
+from robot_offload import codec, structure
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.errors import ConfigError
+from robot_offload.frames import LatestFrame
+from robot_offload.msg import InferenceResult, InferenceStats, Status
+from robot_offload.ros import conversions as conv, logbridge
+from robot_offload.ros.params import load_params
+from robot_offload.ros.transport import RosServiceTransport
+from robot_offload.srv import SetMode, SetModeResponse
+
+
+class OffloadClientNode:
+    def __init__(self):
+        logbridge.install()
+        self.config = load_params(ClientConfig)
+        self.server_ns = rospy.get_param("~server_ns", "/offload_server")
+        self.publish_outputs = rospy.get_param("~publish_outputs", True)
+        self.result_codec = rospy.get_param("~result_codec", "raw")
+        use_server = rospy.get_param("~use_server", True)
+        transport = RosServiceTransport(self.server_ns) if use_server else None
+        self.client = OffloadClient(self.config, transport)
+        self._mode_param = rospy.resolve_name("~mode")
+        rospy.set_param(self._mode_param, self.client.mode)
+        self.slot = LatestFrame()
+        self.processed = 0
+        self.stats_pub = rospy.Publisher("~stats", InferenceStats, queue_size=50)
+        self.result_pub = rospy.Publisher("~result", InferenceResult, queue_size=5)
+        self.mode_srv = rospy.Service("~set_mode", SetMode, self._on_set_mode)
+        if self.client.spec.input_kind == "image":
+            from cv_bridge import CvBridge
+            self._bridge = CvBridge()
+            self.sub = rospy.Subscriber("image", Image, self.slot.put, queue_size=2, buff_size=2 ** 24)
+        else:
+            self.sub = rospy.Subscriber("points", PointCloud2, self.slot.put, queue_size=2, buff_size=2 ** 25)
+        if transport is not None:
+            threading.Thread(target=self.client.connect, name="connect", daemon=True).start()
+        self._worker = threading.Thread(target=self._run, name="inference", daemon=True)
+        self._worker.start()
+        rospy.on_shutdown(self.client.close)
+
+    # -- mode ---------------------------------------------------------------------------
+    def _on_set_mode(self, req):
+        previous = self.client.mode
+        try:
+            self.client.set_mode(req.mode)
+        except ConfigError as e:
+            rospy.logerr(f"set_mode refused: {e}")
+            return SetModeResponse(status=Status(code=Status.BAD_REQUEST, text=str(e)),
+                                   previous_mode=previous, mode=previous)
+        rospy.set_param(self._mode_param, req.mode)
+        return SetModeResponse(status=Status(code=Status.OK, text=""), previous_mode=previous, mode=req.mode)
+
+    def _follow_mode_param(self):
+        wanted = rospy.get_param_cached(self._mode_param, self.client.mode)
+        if wanted == self.client.mode:
+            return
+        try:
+            self.client.set_mode(str(wanted))
+        except ConfigError as e:
+            rospy.logerr(f"~mode {wanted!r} refused, keeping {self.client.mode}: {e}")
+            rospy.set_param(self._mode_param, self.client.mode)
+
+    # -- frames -------------------------------------------------------------------------
+    def _to_input(self, msg):
+        if isinstance(msg, Image):
+            frame = self._bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
+        else:
+            frame = conv.pointcloud2_to_xyzi(msg)
+        return self.client.preprocess(frame)
+
+    def _run(self):
+        while not rospy.is_shutdown():
+            item = self.slot.get(timeout_s=0.2)
+            if item is None:
+                continue
+            msg, arrived = item
+            try:
+                self._process(msg, arrived)
+            except Exception as e:  # noqa: BLE001 - one bad frame must not stop the worker
+                rospy.logerr_throttle(2.0, f"frame dropped: {type(e).__name__}: {e}")
+                self.slot.dropped += 1
+
+    def _process(self, msg, arrived):
+        import time
+        self._follow_mode_param()
+        start = time.monotonic()
+        t0 = time.perf_counter()
+        x = self._to_input(msg)
+        prep_s = time.perf_counter() - t0
+        outputs, stats = self.client.infer(x)
+        stats.queue_s = start - arrived
+        stats.robot_compute_s += prep_s
+        if stats.fallback_reason:
+            rospy.logwarn_throttle(5.0, f"computed locally: {stats.fallback_reason}")
+        if self.publish_outputs:
+            leaves, spec = structure.flatten(outputs)
+            self.result_pub.publish(InferenceResult(
+                header=msg.header, model=stats.model, mode=stats.executed_mode, structure_json=spec,
+                outputs=[conv.tensor_to_msg(codec.encode(t, f"out{i}", self.result_codec))
+                         for i, t in enumerate(leaves)]))
+        self.processed += 1
+        latency_s = (rospy.Time.now() - msg.header.stamp).to_sec()
+        self.stats_pub.publish(conv.stats_to_msg(
+            stats, msg.header, latency_s,
+            (self.slot.received, self.processed, self.slot.dropped, self.client.fallbacks)))

@@ -1,0 +1,45 @@
+"""offload_server: advertises the protocol's services and hands requests to the pure
+:class:`~robot_offload.server.OffloadServer`. rospy runs each client connection on its
+own thread, so several robots are served at once."""
+
+import rospy
+
+from robot_offload.protocol import METHODS, StatusCode
+from robot_offload.ros import conversions as conv, logbridge
+from robot_offload.ros.params import load_params
+from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.srv import Compute, LoadModel, Ping
+
+
+class OffloadServerNode:
+    def __init__(self):
+        logbridge.install()
+        self.config = load_params(ServerConfig)
+        self.server = OffloadServer(self.config)
+        for name in rospy.get_param("~preload", []):
+            self.server.load(name)
+        self._services = [
+            rospy.Service("~load_model", LoadModel, self._wrap("load_model", conv.load_req_from_srv,
+                                                                conv.load_resp_to_srv)),
+            rospy.Service("~compute", Compute, self._wrap("compute", conv.compute_req_from_srv,
+                                                           conv.compute_resp_to_srv)),
+            rospy.Service("~ping", Ping, self._wrap("ping", conv.ping_req_from_srv, conv.ping_resp_to_srv)),
+        ]
+        rospy.loginfo("offload_server %s ready on %s", self.server.server_id, self.server.device)
+
+    def _wrap(self, method, from_srv, to_srv):
+        def handler(msg):
+            try:
+                request = from_srv(msg)
+            except Exception as e:  # noqa: BLE001 - a malformed message must not kill the server
+                rospy.logwarn_throttle(1.0, f"{method}: undecodable request: {e}")
+                request = None
+            if request is None:
+                return to_srv(METHODS[method][1](status=StatusCode.BAD_REQUEST,
+                                                 status_text="undecodable request"))
+            return to_srv(self.server.handle(method, request))
+        return handler
+
+    def shutdown(self):
+        for s in self._services:
+            s.shutdown()
