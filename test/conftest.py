@@ -1,0 +1,11 @@
+"""Shared pytest fixtures: an in-process client/server pair for the unit tests."""
+
+import pytest
+
+from robot_offload.server import OffloadServer, ServerConfig
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """One in-process server for the whole session: models are built once."""
+    return OffloadServer(ServerConfig(device="cpu"))
