@@ -1,0 +1,152 @@
+"""The whole pipeline with a real master, real nodes and the package's launch files:
+camera -> offload_client -> offload_server, mode switching through the parameter server
+and the ~set_mode service, fallback when the server dies and recovery when it returns,
+and a server that survives malformed requests."""
+
+import subprocess
+import time
+
+import pytest
+import rospy
+
+from robot_offload.msg import InferenceResult, InferenceStats, Status, Tensor
+from robot_offload.srv import Compute, ComputeRequest, LoadModel, Ping, SetMode
+
+ROBOT_ARGS = ["model:=resnet18", "rate_hz:=10", "input_size:=[64,64]", "timeout_s:=0.5"]
+
+
+class StatsLog:
+    """Collects InferenceStats (and the arrival time) from the client."""
+
+    def __init__(self):
+        self.msgs = []
+        self.sub = rospy.Subscriber("/offload_client/stats", InferenceStats, self._cb, queue_size=100)
+
+    def _cb(self, msg):
+        self.msgs.append((time.monotonic(), msg))
+
+    def wait_for(self, predicate, timeout_s, after=None):
+        """First message (arriving after ``after``) satisfying ``predicate``."""
+        end = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < end:
+            for t, m in self.msgs[seen:]:
+                if (after is None or t >= after) and predicate(m):
+                    return t, m
+            seen = len(self.msgs)
+            time.sleep(0.05)
+        last = self.msgs[-1][1] if self.msgs else None
+        pytest.fail(f"no matching stats within {timeout_s} s; last: {last}")
+
+    def close(self):
+        self.sub.unregister()
+
+
+@pytest.fixture
+def stats():
+    log = StatsLog()
+    yield log
+    log.close()
+
+
+def test_frames_flow_and_stats_are_sane(launch, stats):
+    launch.start("demo.launch", *ROBOT_ARGS, "mode:=full_offload")
+    results = []
+    sub = rospy.Subscriber("/offload_client/result", InferenceResult, results.append, queue_size=10)
+    try:
+        _, first = stats.wait_for(lambda m: m.executed_mode == "full_offload", 90)
+        time.sleep(2.0)
+    finally:
+        sub.unregister()
+    offloaded = [m for _, m in stats.msgs if m.executed_mode == "full_offload"]
+    assert len(offloaded) >= 10, "expected ~10 Hz of offloaded frames"
+    for m in offloaded:
+        assert m.mode == "full_offload" and m.model == "resnet18" and m.header.frame_id == "camera"
+        assert 0 < m.latency_s < 5 and m.server_compute_s > 0 and m.robot_compute_s > 0
+        assert m.transfer_s >= 0 and m.round_trips == 1
+        assert m.bytes_up == 3 * 64 * 64 * 4 and m.bytes_down == 1000 * 4
+        assert m.frames_received >= m.frames_processed + m.frames_dropped
+    last = offloaded[-1]
+    assert last.frames_processed > first.frames_processed
+    assert results and results[-1].model == "resnet18" and len(results[-1].outputs) == 1
+    assert list(results[-1].outputs[0].shape) == [1, 1000]
+
+
+def test_mode_switch_through_parameter_server_and_service(launch, stats):
+    launch.start("demo.launch", *ROBOT_ARGS, "mode:=local")
+    stats.wait_for(lambda m: m.mode == "local", 90)
+    t_switch = time.monotonic()
+    subprocess.run(["rosparam", "set", "/offload_client/mode", "full_offload"], check=True, timeout=20)
+    t, _ = stats.wait_for(lambda m: m.mode == "full_offload" and m.executed_mode == "full_offload",
+                          30, after=t_switch)
+    # "next frame": at 10 Hz, well under a second (plus the server's first model load).
+    set_mode = rospy.ServiceProxy("/offload_client/set_mode", SetMode)
+    set_mode.wait_for_service(10)
+    r = set_mode("local")
+    assert r.status.code == Status.OK and r.previous_mode == "full_offload" and r.mode == "local"
+    stats.wait_for(lambda m: m.mode == "local", 5, after=time.monotonic())
+    r = set_mode("teleport")
+    assert r.status.code == Status.BAD_REQUEST and "known" in r.status.text and r.mode == "local"
+    subprocess.run(["rosparam", "set", "/offload_client/mode", "teleport"], check=True, timeout=20)
+    time.sleep(1.0)
+    assert rospy.get_param("/offload_client/mode") == "local"   # refused, reverted
+    _, m = stats.wait_for(lambda m: True, 5, after=time.monotonic())
+    assert m.mode == "local"
+
+
+def test_server_crash_falls_back_within_deadline_and_recovers(launch, stats):
+    server = launch.start("server.launch")
+    launch.start("robot.launch", *ROBOT_ARGS, "mode:=full_offload")
+    stats.wait_for(lambda m: m.executed_mode == "full_offload", 90)
+    t_kill = time.monotonic()
+    launch.kill_node(server, "/offload_server")
+    t_local, m = stats.wait_for(lambda m: m.executed_mode == "local", 10, after=t_kill)
+    assert m.mode == "full_offload" and m.fallback_reason
+    # Frames after the crash never waited past the 0.5 s deadline (plus a local inference).
+    after_kill = [msg for t, msg in stats.msgs if t > t_kill]
+    assert max(msg.latency_s for msg in after_kill) < 0.5 + 1.5
+    assert t_local - t_kill < 0.5 + 1.5
+    # Still processing frames locally while the server is gone.
+    n0 = len(stats.msgs)
+    time.sleep(1.5)
+    assert len(stats.msgs) - n0 >= 5
+    t_restart = time.monotonic()
+    launch.start("server.launch")
+    t_back, m = stats.wait_for(lambda m: m.executed_mode == "full_offload", 60, after=t_restart)
+    assert m.fallbacks >= 1
+
+
+def test_server_survives_malformed_requests(launch):
+    launch.start("server.launch")
+    rospy.wait_for_service("/offload_server/compute", 60)
+    load = rospy.ServiceProxy("/offload_server/load_model", LoadModel)
+    compute = rospy.ServiceProxy("/offload_server/compute", Compute, persistent=True)
+    ping = rospy.ServiceProxy("/offload_server/ping", Ping)
+    assert load(client_id="t", model="resnet18", weights_hash="", auth="").status.code == Status.OK
+    assert load(client_id="t", model="nope", weights_hash="", auth="").status.code == Status.UNKNOWN_MODEL
+    bad = [
+        Tensor(name="x", dtype="float32", shape=[1, 3, 64, 64], codec="raw", compression="none",
+               raw_size=49152, data=b"\0" * 100),                        # truncated
+        Tensor(name="x", dtype="float99", shape=[1], codec="raw", compression="none", raw_size=4, data=b"\0" * 4),
+        Tensor(name="x", dtype="float32", shape=[1, 3, 64, 64], codec="zstd?", compression="none",
+               raw_size=49152, data=b"\0" * 49152),
+        Tensor(name="x", dtype="float32", shape=[1, 3, 64, 64], codec="raw", compression="zstd",
+               raw_size=49152, data=b"not zstd at all"),
+        Tensor(name="x", dtype="float32", shape=[1, 7, 64, 64], codec="raw", compression="none",
+               raw_size=7 * 4096 * 4, data=b"\0" * (7 * 4096 * 4)),          # wrong channels
+    ]
+    for t in bad:
+        r = compute(ComputeRequest(client_id="t", model="resnet18", entry="forward", args_json="{}",
+                                   tensors=[t], output_codec="raw", output_compression="none"))
+        assert r.status.code in (Status.BAD_REQUEST, Status.TOO_LARGE), r.status
+        assert r.status.text
+    r = compute(ComputeRequest(client_id="t", model="resnet18", entry="forward", args_json="{}",
+                               tensors=[], output_codec="raw", output_compression="none"))
+    assert r.status.code == Status.BAD_REQUEST
+    good = Tensor(name="x", dtype="float32", shape=[1, 3, 64, 64], codec="raw", compression="none",
+                  raw_size=49152, data=b"\0" * 49152)
+    r = compute(ComputeRequest(client_id="t", model="resnet18", entry="forward", args_json="{}",
+                               tensors=[good], output_codec="raw", output_compression="none"))
+    assert r.status.code == Status.OK and list(r.tensors[0].shape) == [1, 1000]
+    assert ping(client_id="t", payload=b"hi").status.code == Status.OK
+    compute.close()
