@@ -98,7 +98,6 @@ def test_server_down_then_restarted(x):
 
 
 def test_hash_mismatch_disables_offloading(tmp_path, x):
-    model = ClientConfig(model="resnet18")
     spec_model = OffloadClient(ClientConfig(model="resnet18", mode="local"), None).model
     with torch.no_grad():
         next(spec_model.parameters()).add_(1.0)
@@ -115,7 +114,6 @@ def test_hash_mismatch_disables_offloading(tmp_path, x):
         assert not c.link.available   # never retried into wrong results
     finally:
         c.close()
-    del model
 
 
 def test_latest_frame_counts_drops():

@@ -1,0 +1,79 @@
+"""Camera sources, message conversions and the status-code mirror (no master needed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from robot_offload import codec
+from robot_offload.camera import FolderSource, SyntheticSource, VideoSource, open_source
+from robot_offload.errors import ConfigError
+from robot_offload.protocol import StatusCode
+
+
+def test_synthetic_source_is_deterministic_and_moves():
+    a, b = SyntheticSource(64, 48, seed=3), SyntheticSource(64, 48, seed=3)
+    f0, g0 = a.read(), b.read()
+    assert f0.shape == (48, 64, 3) and f0.dtype == np.uint8
+    assert np.array_equal(f0, g0)
+    assert not np.array_equal(a.read(), f0)
+    with pytest.raises(ConfigError):
+        SyntheticSource(0, 10)
+
+
+def test_folder_and_video_sources(tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    frames = [np.full((24, 32, 3), 40 * i, np.uint8) for i in range(3)]
+    for i, f in enumerate(frames):
+        cv2.imwrite(str(tmp_path / f"{i:03d}.png"), f[:, :, ::-1])
+    src = open_source(str(tmp_path))
+    assert isinstance(src, FolderSource)
+    got = [src.read() for _ in range(4)]
+    assert np.array_equal(got[1], frames[1]) and np.array_equal(got[3], frames[0])  # loops
+    once = FolderSource(str(tmp_path), loop=False)
+    assert [once.read() is None for _ in range(4)] == [False, False, False, True]
+
+    video = str(tmp_path / "v.avi")
+    w = cv2.VideoWriter(video, cv2.VideoWriter_fourcc(*"MJPG"), 10, (32, 24))
+    for f in frames:
+        w.write(f[:, :, ::-1])
+    w.release()
+    vs = open_source(video)
+    assert isinstance(vs, VideoSource)
+    first = vs.read()
+    assert first.shape == (24, 32, 3) and abs(int(first.mean()) - 0) < 8
+    with pytest.raises(ConfigError):
+        open_source(str(tmp_path / "nothing-here"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError):
+        FolderSource(str(tmp_path / "empty"))
+
+
+def test_status_codes_mirror_the_message():
+    from robot_offload.msg import Status
+    for code in StatusCode:
+        assert getattr(Status, code.name) == int(code)
+
+
+def test_tensor_message_round_trip_through_serialisation():
+    from io import BytesIO
+    from robot_offload.msg import Tensor
+    from robot_offload.ros.conversions import tensor_from_msg, tensor_to_msg
+    x = torch.randn(2, 3)
+    msg = tensor_to_msg(codec.encode(x, "x", "float16", "zstd"))
+    buf = BytesIO()
+    msg.serialize(buf)
+    back = Tensor()
+    back.deserialize(buf.getvalue())
+    torch.testing.assert_close(codec.decode(tensor_from_msg(back)), x, rtol=codec.RTOL["float16"], atol=1e-6)
+
+
+def test_pointcloud2_round_trip():
+    from std_msgs.msg import Header
+    from robot_offload.ros.conversions import pointcloud2_to_xyzi, xyzi_to_pointcloud2
+    pts = np.array([[1, 2, 3, 0.5], [-1, 0, 0.25, 1.0]], dtype=np.float32)
+    msg = xyzi_to_pointcloud2(pts, Header(frame_id="lidar"), [("label", np.array([3, 7], np.float32))])
+    assert [f.name for f in msg.fields] == ["x", "y", "z", "intensity", "label"]
+    assert np.array_equal(pointcloud2_to_xyzi(msg), pts)
+    msg.data = msg.data[:-4]
+    with pytest.raises(ValueError):
+        pointcloud2_to_xyzi(msg)
