@@ -6,6 +6,12 @@ background prober pings the server every ``retry_interval_s``; frames meanwhile 
 local model without waiting for any deadline. When a ping answers, the model is loaded
 again (the server may have restarted and lost it) and offloading resumes, so recovery
 takes at most one retry interval plus one load.
+
+A server can answer pings yet miss every compute deadline (overloaded GPU, a link too slow
+for the tensors). So a link is only offered again once the back-off after the last failure
+has passed too: ``retry_interval_s`` doubled per consecutive failure, capped at
+``max_backoff_s``. Such a server then costs one missed deadline per back-off period, not
+one per frame; a success resets the back-off.
 """
 
 import logging
@@ -24,14 +30,17 @@ log = logging.getLogger(__name__)
 class ServerLink:
     def __init__(self, transport: Transport, client_id: str, model: str, weights_hash: str,
                  load_timeout_s: float = 30.0, retry_interval_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic):
+                 max_backoff_s: float = 1.5, clock: Callable[[], float] = time.monotonic):
         self.transport = transport
         self.client_id = client_id
         self.model = model
         self.weights_hash = weights_hash
         self.load_timeout_s = load_timeout_s
         self.retry_interval_s = retry_interval_s
+        self.max_backoff_s = max(max_backoff_s, retry_interval_s)
         self.clock = clock
+        self.consecutive_failures = 0
+        self._retry_at = 0.0
         self.server_id = ""
         self.device = ""
         self.last_error = "not connected yet"
@@ -44,7 +53,7 @@ class ServerLink:
 
     @property
     def available(self) -> bool:
-        return self._up.is_set() and not self._refused
+        return self._up.is_set() and not self._refused and self.clock() >= self._retry_at
 
     def connect(self, timeout_s: Optional[float] = None) -> bool:
         """Try once to reach the server and load the model; start probing on failure."""
@@ -68,11 +77,15 @@ class ServerLink:
             self._load(deadline - self.clock())
             response = self.transport.call("compute", request, deadline - self.clock())
             raise_for_status(response.status, response.status_text)
+        self.consecutive_failures = 0
         return response
 
     def mark_down(self, reason: str) -> None:
         """Record a failure and start probing in the background (idempotent)."""
         self.last_error = reason
+        self.consecutive_failures += 1
+        backoff = self.retry_interval_s * 2 ** (self.consecutive_failures - 1)
+        self._retry_at = self.clock() + min(backoff, self.max_backoff_s)
         was_up = self._up.is_set()
         self._up.clear()
         if was_up:

@@ -52,7 +52,7 @@ def test_unknown_mode_is_refused_and_mode_kept(shared_server):
 
 
 def test_slow_server_falls_back_within_deadline(shared_server, x):
-    c = _client(SlowServer(shared_server, 3.0), timeout_s=0.3)
+    c = _client(SlowServer(shared_server, 3.0), timeout_s=0.3, retry_interval_s=1.0)
     try:
         assert c.connect()
         t0 = time.monotonic()
@@ -68,14 +68,23 @@ def test_slow_server_falls_back_within_deadline(shared_server, x):
         assert stats.executed_mode == "local" and stats.fallback_reason.startswith("server unavailable")
         assert time.monotonic() - t0 < 0.3
         assert c.fallbacks == 2
+        # The server answers pings, so the link comes back after the back-off, and a
+        # second miss doubles it: one missed deadline per back-off period, not per frame.
+        deadline = time.monotonic() + 5
+        while not c.link.available and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _, stats = c.infer(x)
+        assert "OffloadTimeout" in stats.fallback_reason
+        assert c.link.consecutive_failures == 2 and not c.link.available
     finally:
         c.close()
 
 
 def test_server_down_then_restarted(x):
     transport = InProcessTransport(None)
+    # The frame deadline must cover a model load: after a restart it reloads in-frame.
     c = OffloadClient(ClientConfig(model="resnet18", mode="full_offload", input_size=(32, 32),
-                                   timeout_s=0.5, retry_interval_s=0.1), transport)
+                                   timeout_s=10.0, retry_interval_s=0.1), transport)
     try:
         assert not c.connect(timeout_s=0.5)
         _, stats = c.infer(x)
