@@ -50,8 +50,10 @@ want="$(sha256sum "$repo/requirements.txt" | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "creating venv $venv"
   "$py" -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade "pip<26" >/dev/null
-  "$venv/bin/python" -m pip install -q -r "$repo/requirements.txt"
+  pip_log="$venv/pip.log"
+  { "$venv/bin/python" -m pip install -q --upgrade "pip<26" &&
+    "$venv/bin/python" -m pip install -q -r "$repo/requirements.txt"; } >"$pip_log" 2>&1 \
+    || { tail -30 "$pip_log" >&2; echo "[setup] pip failed; log: $pip_log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 
