@@ -8,4 +8,8 @@ setup(**generate_distutils_setup(packages=[
     "robot_offload.backends",
     "robot_offload.transport",
     "robot_offload.ros",
+    "robot_offload.testbed",
+    "robot_offload.bench",
+    "robot_offload.partition",
+    "robot_offload.apps",
 ], package_dir={"": "src"}))

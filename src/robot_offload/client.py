@@ -14,6 +14,7 @@ import torch
 
 from robot_offload import backends
 from robot_offload.codec import CODECS, COMPRESSIONS
+from robot_offload.energy import MeasuredPower, modelled_energy_j
 from robot_offload.errors import ConfigError, OffloadError, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.models import get_spec, weights_hash
@@ -39,6 +40,9 @@ class ClientConfig:
     weights: str = ""               # local weights file; "" = registry's seeded weights
     client_id: str = field(default_factory=lambda: "client-" + uuid.uuid4().hex[:8])
     num_threads: int = 0            # torch intra-op threads on the robot; 0 = torch default
+    compute_w: float = 13.35        # state model: robot power while computing (W)
+    transmit_w: float = 4.25        # state model: robot power while transmitting (W)
+    idle_w: float = 4.04            # state model: robot power while waiting (W)
 
     def validate(self) -> "ClientConfig":
         get_spec(self.model)
@@ -52,6 +56,8 @@ class ClientConfig:
                 raise ConfigError(f"unknown {name} {value!r}; known: {list(known)}")
         if self.input_size and any(int(s) <= 0 for s in self.input_size):
             raise ConfigError(f"input_size must be positive, got {list(self.input_size)}")
+        if not (self.compute_w >= self.idle_w >= 0 and self.transmit_w >= self.idle_w):
+            raise ConfigError("need compute_w >= idle_w >= 0 and transmit_w >= idle_w")
         return self
 
 
@@ -74,6 +80,10 @@ class OffloadClient:
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0
+        self.measured_power = MeasuredPower()   # fed by the node with sensor samples
+        self.predicted_bandwidth_bps = float("nan")  # fed by the node (bandwidth_monitor)
+        # perf_counter -> wall clock, for matching intervals with stamped power samples
+        self.wall_offset_s = time.time() - time.perf_counter()
         self.mode = config.mode
         self._get_backend(self.mode)
         self._local = self._get_backend("local")
@@ -98,13 +108,23 @@ class OffloadClient:
     def preprocess(self, frame) -> torch.Tensor:
         return self.spec.preprocess(frame, self.input_size)
 
-    def infer(self, x: torch.Tensor, stats: Optional[FrameStats] = None):
+    def process(self, frame):
+        """Preprocess one raw frame and run it (see :meth:`infer`)."""
+        stats = FrameStats()
+        t0 = time.perf_counter()
+        x = self.preprocess(frame)
+        stats.add_compute(t0, time.perf_counter())
+        return self.infer(x, stats, t0)
+
+    def infer(self, x: torch.Tensor, stats: Optional[FrameStats] = None,
+              t0: Optional[float] = None):
         """Run one batched input; returns ``(outputs, stats)``. Never raises for server
         trouble: the frame is computed locally and ``stats.fallback_reason`` says why."""
         mode = self.mode
         stats = stats or FrameStats()
         stats.mode, stats.model = mode, self.config.model
-        t0 = time.perf_counter()
+        stats.predicted_bandwidth_bps = self.predicted_bandwidth_bps
+        t0 = time.perf_counter() if t0 is None else t0
         backend = self._get_backend(mode)
         outputs = None
         if backend.needs_server and not self.link.available:
@@ -121,8 +141,21 @@ class OffloadClient:
                 self.fallbacks += 1
             outputs = self._local.infer(x, stats, self.config.timeout_s)
             stats.executed_mode = "local"
-        stats.processing_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stats.processing_s = t1 - t0
+        self._account_energy(stats, t0, t1)
         return outputs, stats
+
+    def _account_energy(self, stats: FrameStats, t0: float, t1: float) -> None:
+        """Measured energy when a power sensor's samples cover the frame, else modelled."""
+        w0, w1 = t0 + self.wall_offset_s, t1 + self.wall_offset_s
+        if self.measured_power.covers(w0):
+            stats.energy_j = self.measured_power.energy_j(w0, w1)
+            stats.energy_modelled = False
+        else:
+            c = self.config
+            stats.energy_j = modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w)
+            stats.energy_modelled = True
 
     def close(self) -> None:
         for b in self._backends.values():

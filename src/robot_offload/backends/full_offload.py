@@ -27,8 +27,9 @@ class FullOffloadBackend(Backend):
         outputs = structure.unflatten([codec.decode(t) for t in response.tensors],
                                       response.structure_json)
         t3 = time.perf_counter()
-        stats.robot_compute_s += (t1 - t0) + (t3 - t2)
-        stats.add_call(t2 - t1, response.server_total_s or response.server_compute_s,
+        stats.add_compute(t0, t1)
+        stats.add_compute(t2, t3)
+        stats.add_call(t1, t2, response.server_total_s or response.server_compute_s,
                        request.payload_bytes, response.payload_bytes)
         stats.plan = f"codec={cfg.codec}/{cfg.compression}"
         return outputs

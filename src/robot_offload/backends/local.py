@@ -15,5 +15,5 @@ class LocalBackend(Backend):
         t0 = time.perf_counter()
         with torch.inference_mode():
             y = self.ctx.model(x)
-        stats.robot_compute_s += time.perf_counter() - t0
+        stats.add_compute(t0, time.perf_counter())
         return y

@@ -4,6 +4,7 @@ AGRNav-architecture models. Built with ``weights=None`` so nothing is downloaded
 import torchvision.models as tvm
 import torchvision.models.detection as tvd
 import torchvision.models.segmentation as tvs
+import torch
 from torch import nn
 
 from robot_offload.models.registry import ModelSpec, register
@@ -84,9 +85,23 @@ def _kapao():
     return build_kapao()
 
 
+class OccupancyAdapter(nn.Module):
+    """What a planner needs from AGRNav, compactly: occupancy logits and the semantic label
+    of every voxel (uint8 argmax), instead of 20 logits per voxel (21 MB per frame at
+    128 x 128 x 16, 16x the labels' size) crossing the link."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return {"occupancy": out["occupancy"], "labels": out["semantics"].argmax(1).to(torch.uint8)}
+
+
 def _agrnav():
     from robot_offload.models.agrnav import build_agrnav
-    return build_agrnav(grid=(128, 128, 16))
+    return OccupancyAdapter(build_agrnav(grid=(128, 128, 16)))
 
 
 register(ModelSpec(name="kapao_l", task="keypoints", input_kind="image",

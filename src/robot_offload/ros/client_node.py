@@ -9,6 +9,7 @@ per-frame cost) and the ``~set_mode`` service.
 """
 
 import threading
+import time
 
 import rospy
 from sensor_msgs.msg import Image, PointCloud2
@@ -17,7 +18,8 @@ from robot_offload import codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 from robot_offload.frames import LatestFrame
-from robot_offload.msg import InferenceResult, InferenceStats, Status
+from robot_offload.msg import (BandwidthEstimate, InferenceResult, InferenceStats, PowerSample,
+                               RobotActivity, Status)
 from robot_offload.ros import conversions as conv, logbridge
 from robot_offload.ros.params import load_params
 from robot_offload.ros.transport import RosServiceTransport
@@ -40,6 +42,9 @@ class OffloadClientNode:
         self.processed = 0
         self.stats_pub = rospy.Publisher("~stats", InferenceStats, queue_size=50)
         self.result_pub = rospy.Publisher("~result", InferenceResult, queue_size=5)
+        self.activity_pub = rospy.Publisher("~activity", RobotActivity, queue_size=50)
+        self.bandwidth_sub = rospy.Subscriber("bandwidth", BandwidthEstimate, self._on_bandwidth, queue_size=1)
+        self.power_sub = rospy.Subscriber("power", PowerSample, self._on_power, queue_size=100)
         self.mode_srv = rospy.Service("~set_mode", SetMode, self._on_set_mode)
         if self.client.spec.input_kind == "image":
             from cv_bridge import CvBridge
@@ -75,13 +80,21 @@ class OffloadClientNode:
             rospy.logerr(f"~mode {wanted!r} refused, keeping {self.client.mode}: {e}")
             rospy.set_param(self._mode_param, self.client.mode)
 
+    # -- link and power ------------------------------------------------------------------
+    def _on_bandwidth(self, msg):
+        self.client.predicted_bandwidth_bps = msg.predicted_bps
+
+    def _on_power(self, msg):
+        # Modelled samples come from this client's own activity: the client models its
+        # energy itself. Only a sensor's samples replace the model.
+        if not msg.modelled:
+            self.client.measured_power.add(msg.header.stamp.to_sec(), msg.watts, msg.source)
+
     # -- frames -------------------------------------------------------------------------
-    def _to_input(self, msg):
+    def _to_frame(self, msg):
         if isinstance(msg, Image):
-            frame = self._bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
-        else:
-            frame = conv.pointcloud2_to_xyzi(msg)
-        return self.client.preprocess(frame)
+            return self._bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
+        return conv.pointcloud2_to_xyzi(msg)
 
     def _run(self):
         while not rospy.is_shutdown():
@@ -96,15 +109,10 @@ class OffloadClientNode:
                 self.slot.dropped += 1
 
     def _process(self, msg, arrived):
-        import time
         self._follow_mode_param()
         start = time.monotonic()
-        t0 = time.perf_counter()
-        x = self._to_input(msg)
-        prep_s = time.perf_counter() - t0
-        outputs, stats = self.client.infer(x)
+        outputs, stats = self.client.process(self._to_frame(msg))
         stats.queue_s = start - arrived
-        stats.robot_compute_s += prep_s
         if stats.fallback_reason:
             rospy.logwarn_throttle(5.0, f"computed locally: {stats.fallback_reason}")
         if self.publish_outputs:
@@ -114,6 +122,11 @@ class OffloadClientNode:
                 outputs=[conv.tensor_to_msg(codec.encode(t, f"out{i}", self.result_codec))
                          for i, t in enumerate(leaves)]))
         self.processed += 1
+        offset = self.client.wall_offset_s
+        self.activity_pub.publish(RobotActivity(
+            header=msg.header, activity=[a for a, _, _ in stats.intervals],
+            start_s=[t0 + offset for _, t0, _ in stats.intervals],
+            end_s=[t1 + offset for _, _, t1 in stats.intervals]))
         latency_s = (rospy.Time.now() - msg.header.stamp).to_sec()
         self.stats_pub.publish(conv.stats_to_msg(
             stats, msg.header, latency_s,

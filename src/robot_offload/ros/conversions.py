@@ -105,6 +105,7 @@ def stats_to_msg(stats, header, latency_s: float, counters) -> InferenceStats:
         predicted_latency_s=stats.predicted_latency_s, bytes_up=stats.bytes_up,
         bytes_down=stats.bytes_down, round_trips=stats.round_trips,
         energy_j=stats.energy_j if stats.energy_j is not None else math.nan,
+        energy_modelled=stats.energy_modelled, predicted_bandwidth_bps=stats.predicted_bandwidth_bps,
         frames_received=received, frames_processed=processed, frames_dropped=dropped,
         fallbacks=fallbacks)
 

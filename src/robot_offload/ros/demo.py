@@ -42,7 +42,8 @@ def collect(duration_s: float, modes, client="/offload_client", warmup_s=3.0, wa
                          "latency_s": msg.latency_s, "t_s": time.monotonic(),
                          "robot_compute_s": msg.robot_compute_s, "transfer_s": msg.transfer_s,
                          "server_compute_s": msg.server_compute_s, "bytes_up": msg.bytes_up,
-                         "bytes_down": msg.bytes_down, "fallback_reason": msg.fallback_reason})
+                         "bytes_down": msg.bytes_down, "round_trips": msg.round_trips,
+                         "energy_j": msg.energy_j, "fallback_reason": msg.fallback_reason})
 
     sub = rospy.Subscriber(client + "/stats", InferenceStats, on_stats, queue_size=100)
     rospy.wait_for_message(client + "/stats", InferenceStats, timeout=warmup_timeout_s)

@@ -1,0 +1,80 @@
+"""Benchmark command line: ``rosrun robot_offload bench [--quick]`` (as root for the
+shaped testbed; otherwise loopback, unshaped, and the report says so).
+
+    --quick   resnet18 + agrnav (64x64x16), local vs full_offload, const:50 and outdoor, 6 frames
+              (under 3 minutes on the 2-core CI machine)
+    (full)    resnet101, vgg19, kapao_l (640 px), agrnav; local vs full_offload;
+              const:10, const:50, const:100, indoor, outdoor; 20 frames each
+"""
+
+import argparse
+import shlex
+import sys
+import time
+
+from robot_offload.bench.report import write_report
+from robot_offload.bench.runner import BenchConfig, BenchRunner
+
+FULL = dict(models=["resnet101", "vgg19", "kapao_l", "agrnav"], modes=["local", "full_offload"],
+            traces=["const:10", "const:50", "const:100", "indoor", "outdoor"], frames=20,
+            input_sizes={"kapao_l": [640, 640]})
+QUICK = dict(models=["resnet18", "agrnav"], modes=["local", "full_offload"],
+             traces=["const:50", "outdoor"], frames=6, input_sizes={"agrnav": [64, 64, 16]})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", nargs="+")
+    ap.add_argument("--modes", nargs="+")
+    ap.add_argument("--traces", nargs="+", help="const:MBPS, indoor, outdoor, iperf:PATH, csv:PATH")
+    ap.add_argument("--frames", type=int)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--robot-cpus", type=float, default=0.5, help="CPU quota of the robot side (0 = none)")
+    ap.add_argument("--timeout-s", type=float, default=5.0, help="client deadline per frame")
+    ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W",
+                    help="override a model's input size, e.g. kapao_l=640,640")
+    ap.add_argument("--loopback", action="store_true", help="skip namespaces: unshaped loopback")
+    ap.add_argument("--out", default="results/bench")
+    args = ap.parse_args(argv)
+    profile = dict(QUICK if args.quick else FULL)
+    for key in ("models", "modes", "traces", "frames"):
+        if getattr(args, key):
+            profile[key] = getattr(args, key)
+    sizes = dict(profile.pop("input_sizes"))
+    for item in args.input_size:
+        model, _, dims = item.partition("=")
+        sizes[model] = [int(d) for d in dims.split(",")]
+
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(profile["models"]) * len(profile["traces"]) * len(profile["modes"]),
+                   unit="run", file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        bar = None
+
+    def progress(text):
+        if bar is not None:
+            bar.set_postfix_str(text)
+            bar.update(1)
+        else:
+            print(text, file=sys.stderr)
+
+    cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
+                      timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
+                      progress=progress, **profile)
+    runner = BenchRunner(cfg)
+    t0 = time.monotonic()
+    rows = runner.run()
+    if bar is not None:
+        bar.close()
+    command = "rosrun robot_offload bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    text = write_report(rows, runner, runner.traces, args.out, command)
+    print(text)
+    print(f"bench: {time.monotonic() - t0:.0f} s; report in {args.out}/report.md", file=sys.stderr)
+    return 1 if "FAIL" in text.split("## Physical-limit check")[1].split("##")[0] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Turn benchmark rows into the report: CSV, a Markdown table, PNG plots, the offline
+predictor evaluation and the physical-limit check."""
+
+import csv
+import math
+import os
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from robot_offload.bandwidth import score_predictors
+from robot_offload.report import markdown_table, summarise
+
+KEYS = ("model", "trace", "mode_asked")
+
+
+def frame_rows(rows: Sequence[dict]) -> List[dict]:
+    return [r for r in rows if not r.get("bandwidth")]
+
+
+def write_csv(rows: Sequence[dict], path: str) -> None:
+    fields = sorted({k for r in rows for k in r})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def physical_limit_check(rows: Sequence[dict], traces: Dict[str, object]) -> List[str]:
+    """Full offload cannot beat the input's transfer time at the set rate: for every
+    full_offload frame on a constant-rate trace, latency >= bytes_up * 8 / rate. Returns
+    one line per (model, trace) and a FAIL line per violating frame."""
+    lines = []
+    for (model, trace), rs in _group(rows, ("model", "trace")).items():
+        tr = traces.get(trace)
+        if tr is None or np.ptp(tr.rates_bps) > 0:
+            continue
+        rate = float(tr.rates_bps[0])
+        offl = [r for r in rs if r.get("executed_mode") == "full_offload"]
+        bad = [r for r in offl if r["latency_s"] < r["bytes_up"] * 8 / rate]
+        floor_ms = 1e3 * min((r["bytes_up"] * 8 / rate for r in offl), default=float("nan"))
+        min_ms = 1e3 * min((r["latency_s"] for r in offl), default=float("nan"))
+        lines.append(f"{'FAIL' if bad else 'ok'}: {model} @ {trace}: {len(offl)} full_offload frames, "
+                     f"min latency {min_ms:.1f} ms >= input transfer {floor_ms:.1f} ms at {rate / 1e6:g} Mbit/s"
+                     + (f" -- {len(bad)} frames below the physical limit" if bad else ""))
+    return lines
+
+
+def _group(rows, keys):
+    out = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def predictor_table(traces: Sequence[object]) -> str:
+    scored, rows = score_predictors(traces)
+    names = [p.name for _, p in scored]
+    lines = ["| predictor | " + " | ".join(f"{t.name} MAE Mbit/s" for t in traces) + " | mean |",
+             "|---|" + "---|" * (len(traces) + 1)]
+    for score, p in scored:
+        per = [next(r["mae_bps"] for r in rows if r["predictor"] == p.name and r["trace"] == t.name)
+               for t in traces]
+        lines.append(f"| {p.name} | " + " | ".join(f"{v / 1e6:.2f}" for v in per) + f" | {score / 1e6:.2f} |")
+    lines.append(f"\nBest (lowest mean MAE at a 100 ms horizon): **{names[0]}**")
+    return "\n".join(lines)
+
+
+def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for (model, trace), rs in _group(frame_rows(rows), ("model", "trace")).items():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for mode, ms in _group(rs, ("mode_asked",)).items():
+            lat = np.sort([1e3 * r["latency_s"] for r in ms if not r.get("lost")])
+            if lat.size:
+                ax1.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=mode[0])
+                ts = [r["t_s"] for r in ms if not r.get("lost")]
+                ax2.plot(ts, [1e3 * r["latency_s"] for r in ms if not r.get("lost")], "o-", ms=3,
+                         label=f"{mode[0]} latency")
+        ax1.set_xlabel("latency (ms)")
+        ax1.set_ylabel("fraction of frames")
+        ax1.set_title(f"{model} @ {trace}: latency CDF")
+        ax1.grid(alpha=0.3)
+        ax1.legend()
+        ax2.set_xlabel("time since the trace started (s)")
+        ax2.set_ylabel("latency (ms)")
+        ax2.set_title("latency and link rate over time")
+        ax2.grid(alpha=0.3)
+        if applied.get(trace):
+            t, rate = zip(*applied[trace])
+            axr = ax2.twinx()
+            axr.step(t, np.array(rate) / 1e6, where="post", color="grey", alpha=0.5, label="link rate")
+            axr.set_ylabel("link rate (Mbit/s)")
+            end = max((r["t_s"] for r in rs), default=0) + 1
+            ax2.set_xlim(0, end)
+        ax2.legend(loc="upper left")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"latency-{model}-{trace}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(rows, runner, traces, out_dir, command: str) -> str:
+    frames = [r for r in frame_rows(rows) if not r.get("lost")]
+    lost = [r for r in frame_rows(rows) if r.get("lost")]
+    write_csv(frame_rows(rows), os.path.join(out_dir, "frames.csv"))
+    summary = summarise(frames, KEYS)
+    write_csv(summary, os.path.join(out_dir, "summary.csv"))
+    check = physical_limit_check(frames, {t.name: t for t in traces})
+    png = plots(rows, runner.applied, out_dir)
+    synthetic = [t for t in traces if t.synthetic] or []
+    from robot_offload.testbed import traces as tr
+    pred_traces = synthetic or [tr.indoor(), tr.outdoor()]
+    md = [f"# Benchmark\n\n`{command}`\n", "## Set-up\n"] + [f"- {n}" for n in runner.notes]
+    md += [f"- traces: " + ", ".join(f"{t.name} (mean {t.mean_bps / 1e6:.1f} Mbit/s"
+                                     f"{', synthetic' if t.synthetic else ''})" for t in traces)]
+    md += [f"- lost frames (no stats within the driver's timeout): {len(lost)}", "",
+           "## Results (medians unless p95; fps = frames / span, closed loop)\n",
+           markdown_table(summary), "", "## Physical-limit check\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
+    md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
+           "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(text)
+    return text

@@ -1,0 +1,220 @@
+"""Run the real nodes on the testbed and collect one row per frame.
+
+Per model: roscore and offload_server (server.launch) in the server namespace; the robot
+side (robot.launch: offload_client, bandwidth_monitor, power_logger) in the robot
+namespace under a CPU quota; then per trace and mode a frame driver
+(:mod:`robot_offload.ros.bench_driver`) that switches the mode, warms up, and runs the same
+frames closed-loop while the trace replays from its start. Without root the same runs go
+over loopback, unshaped, and every output says so.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from robot_offload.errors import ConfigError
+from robot_offload.models import get_spec
+from robot_offload.testbed import CpuLimit, Testbed, TraceReplayer, choose_mechanism
+from robot_offload.testbed import traces as tr
+
+
+def parse_trace(spec: str, duration_s: float) -> tr.Trace:
+    """``const:50`` (Mbit/s), ``indoor``, ``outdoor``, ``iperf:PATH`` or ``csv:PATH``."""
+    kind, _, arg = spec.partition(":")
+    if kind == "const":
+        return tr.constant(float(arg) * 1e6, duration_s)
+    if kind == "indoor":
+        return tr.indoor(duration_s)
+    if kind == "outdoor":
+        return tr.outdoor(duration_s)
+    if kind == "iperf":
+        return tr.load_iperf3_json(arg)
+    if kind == "csv":
+        return tr.load_csv(arg)
+    raise ConfigError(f"unknown trace {spec!r}: use const:MBPS, indoor, outdoor, iperf:PATH, csv:PATH")
+
+
+@dataclass
+class BenchConfig:
+    models: Sequence[str]
+    modes: Sequence[str]
+    traces: Sequence[str]
+    out_dir: str
+    frames: int = 20
+    warmup: int = 3
+    robot_cpus: float = 0.5          # CPU quota of the robot side (CPUs); 0 = none
+    input_sizes: Dict[str, List[int]] = field(default_factory=dict)
+    timeout_s: float = 5.0           # the client's per-frame deadline (s)
+    trace_duration_s: float = 60.0
+    loopback: bool = False           # force the unshaped loopback testbed
+    progress: Optional[object] = None  # a callable(str) told after every segment
+
+
+def _wait_for_line(proc, token: str, timeout_s: float) -> str:
+    """Read the process's stdout until a line starting with ``token``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"driver exited ({proc.returncode}) before {token}")
+            continue
+        if line.startswith(token):
+            return line.strip()
+        if line.startswith("ERROR"):
+            raise RuntimeError(line.strip())
+    raise TimeoutError(f"no {token} within {timeout_s} s")
+
+
+def _stop(proc, timeout_s=20.0):
+    import signal
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=timeout_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+
+class BenchRunner:
+    def __init__(self, config: BenchConfig):
+        self.cfg = config
+        for m in config.models:
+            get_spec(m)
+        self.traces = [parse_trace(t, config.trace_duration_s) for t in config.traces]
+        os.makedirs(config.out_dir, exist_ok=True)
+        self.log_dir = os.path.join(config.out_dir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.notes: List[str] = []
+        self.applied: Dict[str, list] = {}
+
+    def _log(self, name):
+        return open(os.path.join(self.log_dir, name), "w")
+
+    def run(self) -> List[dict]:
+        cfg = self.cfg
+        rows: List[dict] = []
+        with Testbed(loopback=cfg.loopback) as tb:
+            if not tb.shaped:
+                self.notes.append(f"UNSHAPED loopback run: {tb.reason}")
+            else:
+                self.notes.append(f"link shaped with {tb.qdisc_kind} between network namespaces "
+                                  f"(netem {'available' if tb.netem else 'missing'})")
+            port = random.randint(20000, 40000)
+            env = {"ROS_MASTER_URI": f"http://{tb.server_ip}:{port}",
+                   "ROS_HOME": os.path.join(cfg.out_dir, "ros_home"), "PYTHONUNBUFFERED": "1"}
+            env["ROS_LOG_DIR"] = os.path.join(env["ROS_HOME"], "log")
+            server_env = dict(env, ROS_IP=tb.server_ip)
+            robot_env = dict(env, ROS_IP=tb.robot_ip)
+            limit = self._cpu_limit()
+            core = tb.run("server", ["roscore", "-p", str(port)], env=server_env,
+                          stdout=self._log("roscore.log"), stderr=subprocess.STDOUT)
+            try:
+                self._wait_for_master(tb, server_env, core)
+                with limit as lim:
+                    for model in cfg.models:
+                        rows += self._run_model(tb, lim, model, server_env, robot_env)
+            finally:
+                _stop(core)
+        return rows
+
+    @staticmethod
+    def _wait_for_master(tb, env, core, timeout_s=60.0):
+        """roslaunch starts a master of its own when none answers: wait for roscore."""
+        probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if core.poll() is not None:
+                raise RuntimeError("roscore exited; see logs/roscore.log")
+            if tb.run("server", probe, env=env).wait(timeout=30) == 0:
+                return
+            time.sleep(0.5)
+        raise TimeoutError("roscore did not come up")
+
+    def _cpu_limit(self):
+        cfg = self.cfg
+        if cfg.robot_cpus <= 0:
+            self.notes.append("robot CPU not limited")
+            return nullcontext(None)
+        mech = choose_mechanism()
+        if mech.kind == "threads":
+            self.notes.append(f"robot CPU NOT limited (no writable cgroup: {mech.reason})")
+            return nullcontext(None)
+        self.notes.append(f"robot side limited to {cfg.robot_cpus:g} CPU ({mech.kind}); the server "
+                          f"side shares the remaining {os.cpu_count()}-CPU machine")
+        return CpuLimit(ratio=cfg.robot_cpus)
+
+    def _run_model(self, tb, lim, model, server_env, robot_env) -> List[dict]:
+        cfg = self.cfg
+        spec = get_spec(model)
+        size = list(cfg.input_sizes.get(model) or spec.input_size)
+        server = tb.run("server", ["roslaunch", "robot_offload", "server.launch", f"preload:=[{model}]"],
+                        env=server_env, stdout=self._log(f"server-{model}.log"), stderr=subprocess.STDOUT)
+        robot_argv = ["roslaunch", "robot_offload", "robot.launch", "camera:=false", f"model:={model}",
+                      "mode:=local", f"input_size:=[{','.join(map(str, size))}]",
+                      "image_topic:=/bench/image", "points_topic:=/bench/points",
+                      f"timeout_s:={cfg.timeout_s}"]
+        if lim is not None:
+            # `ip netns exec` mounts a sysfs of its own, so the cgroup is joined from out
+            # here: the shell waits on stdin until it is in the group, then becomes
+            # roslaunch, whose nodes inherit the group.
+            robot_argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh"] + robot_argv
+        robot = tb.run("robot", robot_argv, env=robot_env, stdout=self._log(f"robot-{model}.log"),
+                       stderr=subprocess.STDOUT, stdin=subprocess.PIPE if lim is not None else None)
+        if lim is not None:
+            lim.add(robot.pid)
+            robot.stdin.write(b"go\n")
+            robot.stdin.close()
+        rows = []
+        try:
+            for trace in self.traces:
+                for mode in cfg.modes:
+                    rows += self._segment(tb, model, spec, trace, mode, robot_env)
+        finally:
+            _stop(robot)
+            _stop(server)
+        return rows
+
+    def _segment(self, tb, model, spec, trace, mode, robot_env) -> List[dict]:
+        cfg = self.cfg
+        out = os.path.join(self.log_dir, f"rows-{model}-{trace.name}-{mode}.jsonl")
+        tb.set_rate(trace.rates_bps[0])
+        kind = spec.input_kind
+        argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", mode,
+                "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
+                "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
+                "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s)]
+        driver = tb.run("robot", argv, env=robot_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=self._log(f"driver-{model}-{trace.name}-{mode}.log"), text=True)
+        try:
+            _wait_for_line(driver, "READY", 600)
+            repeat = 1 + int(cfg.frames * 60 / max(trace.duration_s, 1))   # never run out of trace
+            with TraceReplayer(tb, trace, repeat=repeat) as replayer:
+                driver.stdin.write("GO\n")
+                driver.stdin.flush()
+                _wait_for_line(driver, "DONE", 60 + cfg.frames * max(30.0, 3 * cfg.timeout_s))
+                driver.wait(timeout=30)
+            self.applied[trace.name] = list(replayer.applied)
+        finally:
+            _stop(driver, 5)
+        rows = []
+        with open(out) as f:
+            for line in f:
+                row = json.loads(line)
+                row.update(model=model, trace=trace.name, mode_asked=mode)
+                rows.append(row)
+        if cfg.progress:
+            done = [r for r in rows if not r.get("bandwidth") and not r.get("lost")]
+            cfg.progress(f"{model} {trace.name} {mode}: {len(done)} frames")
+        return rows

@@ -1,0 +1,100 @@
+"""bandwidth_monitor: estimates and predicts the robot-server link's bandwidth.
+
+Passive: every InferenceStats with server round trips is a real transfer (bytes up +
+down over the time the radio was busy, less one RTT per round trip). Active (optional,
+``~probe_period_s`` > 0): a Ping carrying ``~probe_bytes`` (echoed back) measures goodput,
+and a small Ping measures RTT; the probes' own traffic is reported as overhead. The
+prediction for the next inference comes from ``~predictor`` and is published as
+BandwidthEstimate at ``~rate_hz`` for the client to plan with.
+"""
+
+import math
+import threading
+import time
+
+import rospy
+
+from robot_offload.bandwidth import PassiveEstimator, TransferSample, make_predictor
+from robot_offload.errors import OffloadError
+from robot_offload.msg import BandwidthEstimate, InferenceStats
+from robot_offload.protocol import PingRequest, raise_for_status
+from robot_offload.ros.transport import RosServiceTransport
+
+
+def _nan(v):
+    return math.nan if v is None else float(v)
+
+
+class BandwidthMonitorNode:
+    def __init__(self):
+        self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
+        self.probe_period_s = float(rospy.get_param("~probe_period_s", 0.0))
+        self.probe_bytes = int(rospy.get_param("~probe_bytes", 256 * 1024))
+        self.probe_timeout_s = float(rospy.get_param("~probe_timeout_s", 2.0))
+        predictor = make_predictor(rospy.get_param("~predictor", "default"))
+        self.estimator = PassiveEstimator(predictor)
+        self._lock = threading.Lock()
+        self.source = BandwidthEstimate.SOURCE_NONE
+        self.probe_bytes_total = 0
+        self.started = time.monotonic()
+        self.pub = rospy.Publisher("~estimate", BandwidthEstimate, queue_size=10)
+        self.sub = rospy.Subscriber("stats", InferenceStats, self._on_stats, queue_size=100)
+        self.transport = None
+        if self.probe_period_s > 0:
+            self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"))
+            threading.Thread(target=self._probe_loop, name="probe", daemon=True).start()
+        rospy.loginfo(f"bandwidth_monitor: predictor {predictor.name}, probes "
+                      + (f"every {self.probe_period_s} s of {self.probe_bytes} B" if self.transport else "off"))
+
+    def _on_stats(self, msg):
+        if msg.round_trips == 0 or msg.transfer_s <= 0:
+            return
+        srtt = self.estimator.srtt_s
+        sample = TransferSample(t_s=msg.header.stamp.to_sec() + msg.latency_s,
+                                bytes=msg.bytes_up + msg.bytes_down, duration_s=msg.transfer_s)
+        with self._lock:
+            if self.estimator.add(sample, None if srtt is None else srtt * msg.round_trips) is not None:
+                self.source = BandwidthEstimate.SOURCE_PASSIVE
+
+    def _ping(self, payload: bytes) -> float:
+        t0 = time.perf_counter()
+        reply = self.transport.call("ping", PingRequest(client_id=rospy.get_name(), payload=payload),
+                                    self.probe_timeout_s)
+        raise_for_status(reply.status, reply.status_text)
+        self.probe_bytes_total += 2 * len(payload)
+        return time.perf_counter() - t0
+
+    def _probe_loop(self):
+        payload = bytes(self.probe_bytes)
+        while not rospy.is_shutdown():
+            try:
+                rtt = self._ping(b"")
+                with self._lock:
+                    self.estimator.observe_rtt(rtt)
+                duration = self._ping(payload)
+                sample = TransferSample(t_s=time.time(), bytes=2 * len(payload), duration_s=duration)
+                with self._lock:
+                    if self.estimator.add(sample) is not None:
+                        self.source = BandwidthEstimate.SOURCE_PROBE
+            except OffloadError as e:
+                rospy.logwarn_throttle(10.0, f"bandwidth_monitor: probe failed: {e}")
+            time.sleep(self.probe_period_s)
+
+    def spin(self):
+        rate = rospy.Rate(self.rate_hz)
+        while not rospy.is_shutdown():
+            with self._lock:
+                e = self.estimator
+                elapsed = max(time.monotonic() - self.started, 1e-9)
+                msg = BandwidthEstimate(
+                    measured_bps=_nan(e.last_measured_bps),
+                    predicted_bps=_nan(e.predict_bps() if e.used else None),
+                    rtt_s=_nan(e.srtt_s), source=self.source, predictor=e.predictor.name,
+                    probe_overhead_bps=8.0 * self.probe_bytes_total / elapsed,
+                    samples_used=e.used, samples_ignored=e.ignored)
+            msg.header.stamp = rospy.Time.now()
+            self.pub.publish(msg)
+            try:
+                rate.sleep()
+            except rospy.ROSInterruptException:
+                return

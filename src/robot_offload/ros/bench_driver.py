@@ -1,0 +1,151 @@
+"""The benchmark's frame driver: a rospy node that feeds offload_client identical frames
+closed-loop (the next frame is published when the previous one's stats arrive, or after
+its timeout) and records every frame's InferenceStats as JSON lines.
+
+Run by :mod:`robot_offload.bench.runner` inside the robot's namespace:
+``python -m robot_offload.ros.bench_driver --mode full_offload --frames 20 --out rows.jsonl``.
+It sets the mode through the client's ~set_mode service, runs ``--warmup`` frames that
+are not recorded, prints ``READY`` and waits for a line on stdin (the runner starts the
+bandwidth trace then) before the measured frames, so that every mode sees the same trace
+from its start and the same frames.
+"""
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import rospy
+from sensor_msgs.msg import Image, PointCloud2
+from std_msgs.msg import Header
+
+from robot_offload.camera import SyntheticSource
+from robot_offload.msg import BandwidthEstimate, InferenceStats, Status
+from robot_offload.ros.conversions import xyzi_to_pointcloud2
+from robot_offload.srv import SetMode
+
+STATS_FIELDS = ("mode", "executed_mode", "plan", "phase", "fallback_reason", "latency_s", "queue_s",
+                "robot_compute_s", "transfer_s", "server_compute_s", "predicted_latency_s",
+                "bytes_up", "bytes_down", "round_trips", "energy_j", "energy_modelled",
+                "predicted_bandwidth_bps")
+
+
+class Driver:
+    def __init__(self, args):
+        self.args = args
+        self._cond = threading.Condition()
+        self._stats = {}
+        self.bandwidth = []
+        ns = args.client.rstrip("/")
+        topic_type = PointCloud2 if args.input_kind == "pointcloud" else Image
+        self.pub = rospy.Publisher(args.input_topic, topic_type, queue_size=1)
+        rospy.Subscriber(ns + "/stats", InferenceStats, self._on_stats, queue_size=50)
+        rospy.Subscriber(args.bandwidth_topic, BandwidthEstimate, self._on_bandwidth, queue_size=50)
+        self.set_mode = rospy.ServiceProxy(ns + "/set_mode", SetMode)
+        self.camera = SyntheticSource(args.width, args.height, seed=args.seed)
+        self._frames = []
+
+    def _on_stats(self, msg):
+        with self._cond:
+            self._stats[msg.header.stamp.to_nsec()] = (time.monotonic(), msg)
+            self._cond.notify_all()
+
+    def _on_bandwidth(self, msg):
+        self.bandwidth.append((time.monotonic(), msg.measured_bps, msg.predicted_bps))
+
+    def frame(self, i):
+        """Frame i of the run, identical for every mode (synthetic, seeded)."""
+        while len(self._frames) <= i:
+            if self.args.input_kind == "pointcloud":
+                from robot_offload.models.agrnav import synthetic_scene
+                self._frames.append(synthetic_scene(self.args.seed + len(self._frames)))
+            else:
+                self._frames.append(self.camera.read())
+        return self._frames[i]
+
+    def publish(self, i):
+        header = Header(frame_id="bench")
+        header.stamp = rospy.Time.now()
+        data = self.frame(i)
+        if self.args.input_kind == "pointcloud":
+            msg = xyzi_to_pointcloud2(data, header)
+        else:
+            msg = Image(header=header, height=data.shape[0], width=data.shape[1], encoding="rgb8",
+                        is_bigendian=0, step=data.shape[1] * 3, data=np.ascontiguousarray(data).tobytes())
+        self.pub.publish(msg)
+        return header.stamp.to_nsec(), time.monotonic()
+
+    def wait_stats(self, key, timeout_s):
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while key not in self._stats:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._stats.pop(key)
+
+    def run_frames(self, n, record, t_origin):
+        rows = []
+        for i in range(n):
+            key, t_pub = self.publish(i)
+            got = self.wait_stats(key, self.args.frame_timeout_s)
+            if got is None:
+                rows.append({"frame": i, "t_s": t_pub - t_origin, "lost": True})
+                continue
+            t_recv, msg = got
+            row = {"frame": i, "t_s": t_pub - t_origin, "lost": False,
+                   "roundtrip_wall_s": t_recv - t_pub}
+            row.update({f: getattr(msg, f) for f in STATS_FIELDS})
+            rows.append(row)
+        return rows if record else []
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--frames", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--client", default="/offload_client")
+    ap.add_argument("--input-topic", default="/bench/image")
+    ap.add_argument("--input-kind", choices=("image", "pointcloud"), default="image")
+    ap.add_argument("--bandwidth-topic", default="/bandwidth_monitor/estimate")
+    ap.add_argument("--width", type=int, default=640)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--frame-timeout-s", type=float, default=30.0)
+    ap.add_argument("--no-go", action="store_true", help="do not wait for a line on stdin")
+    args = ap.parse_args(rospy.myargv(argv if argv is not None else sys.argv)[1:])
+
+    rospy.init_node("bench_driver", anonymous=True, disable_signals=True)
+    d = Driver(args)
+    d.set_mode.wait_for_service(60)
+    r = d.set_mode(args.mode)
+    if r.status.code != Status.OK:
+        print(f"ERROR set_mode {args.mode}: {r.status.text}", flush=True)
+        return 2
+    deadline = time.monotonic() + 30
+    while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    d.run_frames(args.warmup, record=False, t_origin=time.monotonic())
+    print("READY", flush=True)
+    if not args.no_go:
+        sys.stdin.readline()
+    t_origin = time.monotonic()
+    rows = d.run_frames(args.frames, record=True, t_origin=t_origin)
+    with open(args.out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        for t, measured, predicted in d.bandwidth:
+            if t >= t_origin:
+                f.write(json.dumps({"bandwidth": True, "t_s": t - t_origin, "measured_bps": measured,
+                                    "predicted_bps": predicted}) + "\n")
+    print(f"DONE {len(rows)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Slow the "robot" down: a CPU quota for given processes (cgroup v1 ``cpu`` or v2 ``cpu.max``).
+
+::
+
+    with CpuLimit(ratio=0.25) as lim:           # a quarter of one CPU
+        proc = lim.popen([sys.executable, "robot_client.py"])   # in the group from exec
+        tb.run("robot", argv, cpu_limit=lim)     # the same, inside a testbed namespace
+        lim.add(other_pid)                       # or move a running process (all threads)
+        ...
+    # processes still alive are moved back to their own cgroup; the group is removed
+
+``ratio`` is in CPUs (0.25 = a quarter of one core, 2.0 = two cores), turned into
+``quota = ratio * period`` (period 100 ms by default, quota at least 1 ms as the kernel
+demands). Children a process forks later stay in its cgroup.
+
+Where no cgroup is writable (not root, no ``cpu`` controller), :func:`choose_mechanism`
+says "threads" and why; limiting threads (``torch.set_num_threads(threads_for_ratio(r))``)
+is then the caller's job, and it only caps parallelism, not single-thread speed.
+"""
+
+import errno
+import os
+import time
+from dataclasses import dataclass
+
+from robot_offload.testbed._common import PREFIX, TestbedError, owner_pid, pid_alive, unique_base
+
+V1_ROOT = "/sys/fs/cgroup/cpu"
+V2_CANDIDATES = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+DEFAULT_PERIOD_US = 100_000
+MIN_QUOTA_US = 1_000
+MAX_PERIOD_US = 1_000_000
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """How the CPU will be limited: kind "cgroup-v1", "cgroup-v2" or "threads"."""
+
+    kind: str
+    root: str = ""
+    reason: str = ""
+
+
+def quota_for_ratio(ratio, period_us=DEFAULT_PERIOD_US):
+    """CFS quota (us) giving ``ratio`` CPUs per ``period_us``; at least 1 ms."""
+    ratio = float(ratio)
+    if not ratio > 0:
+        raise ValueError(f"ratio must be > 0 CPUs, got {ratio}")
+    if not MIN_QUOTA_US <= period_us <= MAX_PERIOD_US:
+        raise ValueError(f"period must be in [1000, 1000000] us, got {period_us}")
+    return max(MIN_QUOTA_US, int(round(ratio * period_us)))
+
+
+def format_cpu_max(quota_us, period_us=DEFAULT_PERIOD_US):
+    """The v2 ``cpu.max`` line: "<quota> <period>", or "max <period>" for no limit."""
+    return f"{'max' if quota_us is None else int(quota_us)} {int(period_us)}"
+
+
+def parse_cpu_max(text):
+    """(quota_us or None for "max", period_us) from a ``cpu.max`` line."""
+    parts = text.split()
+    if len(parts) != 2:
+        raise ValueError(f"not a cpu.max line: {text!r}")
+    return (None if parts[0] == "max" else int(parts[0])), int(parts[1])
+
+
+def threads_for_ratio(ratio, ncpu=None):
+    """Thread count approximating ``ratio`` CPUs (at least 1, at most ncpu)."""
+    ncpu = ncpu or os.cpu_count() or 1
+    return int(min(ncpu, max(1, round(float(ratio)))))
+
+
+def _read(path):
+    with open(path, encoding="ascii") as f:
+        return f.read().strip()
+
+
+def _write(path, text):
+    with open(path, "w", encoding="ascii") as f:
+        f.write(str(text))
+
+
+def _v1_ok(root):
+    if not os.path.isfile(os.path.join(root, "cpu.cfs_quota_us")):
+        return f"{root}: no cgroup v1 cpu controller (cpu.cfs_quota_us missing)"
+    if not os.access(root, os.W_OK):
+        return f"{root}: not writable (need root)"
+    return None
+
+
+def _v2_ok(root):
+    controllers = os.path.join(root, "cgroup.controllers")
+    if not os.path.isfile(controllers):
+        return f"{root}: not a cgroup v2 hierarchy"
+    if "cpu" not in _read(controllers).split():
+        return f"{root}: cgroup v2 without the cpu controller (it is bound to v1 here?)"
+    if not os.access(root, os.W_OK):
+        return f"{root}: not writable (need root)"
+    return None
+
+
+def choose_mechanism(v1_root=V1_ROOT, v2_roots=V2_CANDIDATES):
+    """The first usable of cgroup v1 cpu, cgroup v2 cpu.max; else "threads" with why."""
+    reasons = []
+    why = _v1_ok(v1_root)
+    if why is None:
+        return Mechanism("cgroup-v1", v1_root)
+    reasons.append(why)
+    for root in v2_roots:
+        why = _v2_ok(root)
+        if why is None:
+            return Mechanism("cgroup-v2", root)
+        reasons.append(why)
+    return Mechanism("threads", "", "; ".join(reasons))
+
+
+def available(v1_root=V1_ROOT, v2_roots=V2_CANDIDATES):
+    """True if a cgroup CPU quota can be set here."""
+    return choose_mechanism(v1_root, v2_roots).kind != "threads"
+
+
+def _own_cgroup(pid, kind, proc_root="/proc"):
+    """The cgroup path (relative to the hierarchy root) a pid is in, or "/"."""
+    try:
+        lines = _read(os.path.join(proc_root, str(pid), "cgroup")).splitlines()
+    except OSError:
+        return "/"
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if kind == "cgroup-v2" and controllers == "":
+            return path or "/"
+        if kind == "cgroup-v1" and "cpu" in controllers.split(","):
+            return path or "/"
+    return "/"
+
+
+class CpuLimit:
+    """A cgroup with a CPU quota, holding the given pids; see the module docstring.
+
+    ``mechanism`` defaults to :func:`choose_mechanism`; TestbedError (with the reasons)
+    if it is "threads". ``remove_dir`` and ``proc_root`` exist for tests on fake trees.
+    """
+
+    def __init__(self, ratio=None, *, quota_us=None, period_us=DEFAULT_PERIOD_US, pids=(),
+                 mechanism=None, prefix=PREFIX, remove_dir=os.rmdir, proc_root="/proc"):
+        if (ratio is None) == (quota_us is None):
+            raise ValueError("give exactly one of ratio (CPUs) or quota_us")
+        self.period_us = int(period_us)
+        self.quota_us = (quota_for_ratio(ratio, self.period_us) if quota_us is None
+                         else int(quota_us))
+        if self.quota_us < MIN_QUOTA_US:
+            raise ValueError(f"quota must be >= {MIN_QUOTA_US} us, got {self.quota_us}")
+        self.ratio = self.quota_us / self.period_us
+        self.mechanism = mechanism or choose_mechanism()
+        self.path = None
+        self._initial_pids = [int(p) for p in pids]
+        self._origin = {}
+        self._prefix = prefix
+        self._remove_dir = remove_dir
+        self._proc_root = proc_root
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    def open(self):
+        if self.mechanism.kind == "threads":
+            raise TestbedError(
+                "no writable cgroup CPU controller (v1 cpu.cfs_quota_us or v2 cpu.max): "
+                f"{self.mechanism.reason}; limit threads instead (threads_for_ratio)")
+        self.path = os.path.join(self.mechanism.root, unique_base(self._prefix))
+        try:
+            os.mkdir(self.path)
+        except OSError as e:
+            raise TestbedError(f"cannot create cgroup {self.path}: {e}") from e
+        try:
+            if self.mechanism.kind == "cgroup-v1":
+                _write(os.path.join(self.path, "cpu.cfs_period_us"), self.period_us)
+                _write(os.path.join(self.path, "cpu.cfs_quota_us"), self.quota_us)
+            else:
+                self._enable_v2_cpu()
+                _write(os.path.join(self.path, "cpu.max"),
+                       format_cpu_max(self.quota_us, self.period_us))
+            for pid in self._initial_pids:
+                self.add(pid)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _enable_v2_cpu(self):
+        # The parent must delegate "cpu" to its children; systemd hosts usually do.
+        control = os.path.join(self.mechanism.root, "cgroup.subtree_control")
+        try:
+            if "cpu" not in _read(control).split():
+                _write(control, "+cpu")
+        except OSError as e:
+            raise TestbedError(f"cannot enable the cpu controller in {control}: {e}") from e
+
+    @property
+    def procs_file(self):
+        return os.path.join(self.path, "cgroup.procs")
+
+    def add(self, pid):
+        """Move a running process (all its threads) into the group."""
+        if self.path is None:
+            raise TestbedError("CpuLimit is not open")
+        pid = int(pid)
+        self._origin.setdefault(pid, _own_cgroup(pid, self.mechanism.kind, self._proc_root))
+        try:
+            _write(self.procs_file, pid)
+        except OSError as e:
+            raise TestbedError(f"cannot move pid {pid} into {self.path}: {e}") from e
+
+    def wrap(self, argv):
+        """``argv`` behind a shell that puts itself in the group and then execs it, so the
+        command is limited from its first instruction (no preexec_fn: safe with threads)."""
+        if self.path is None:
+            raise TestbedError("CpuLimit is not open")
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.procs_file,
+                *[str(a) for a in argv]]
+
+    def popen(self, argv, **popen_kwargs):
+        """Start ``argv`` in the group (see :meth:`wrap`); returns the Popen."""
+        import subprocess
+
+        return subprocess.Popen(self.wrap(argv), **popen_kwargs)
+
+    def pids(self):
+        """Pids currently in the group."""
+        try:
+            return [int(p) for p in _read(self.procs_file).split()]
+        except OSError:
+            return []
+
+    def stats(self):
+        """The group's cpu.stat as a dict of ints (nr_throttled, throttled_time, ...)."""
+        try:
+            text = _read(os.path.join(self.path, "cpu.stat"))
+        except (OSError, TypeError):
+            return {}
+        return {k: int(v) for k, v in (line.split() for line in text.splitlines())
+                if v.lstrip("-").isdigit()}
+
+    def close(self):
+        """Move remaining processes back to where they came from and remove the group."""
+        if self.path is None:
+            return
+        path, self.path = self.path, None
+        try:
+            remove_cgroup(path, self.mechanism.root, origin=self._origin,
+                          remove_dir=self._remove_dir)
+        finally:
+            self._origin.clear()
+
+
+def remove_cgroup(path, root, *, origin=None, remove_dir=os.rmdir, attempts=50):
+    """Move every pid in ``path`` to its origin cgroup (or ``root``) and rmdir ``path``."""
+    origin = origin or {}
+    procs = os.path.join(path, "cgroup.procs")
+    last_error = None
+    for _ in range(attempts):
+        try:
+            pids = [int(p) for p in _read(procs).split()]
+        except OSError:
+            pids = []
+        for pid in pids:
+            target = os.path.join(root, origin.get(pid, "/").lstrip("/"))
+            for dest in (target, root):
+                try:
+                    _write(os.path.join(dest, "cgroup.procs"), pid)
+                    break
+                except OSError as e:
+                    if e.errno == errno.ESRCH:
+                        break
+                    last_error = e
+        try:
+            remove_dir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:  # EBUSY while exiting processes leave the group
+            last_error = e
+            time.sleep(0.02)
+    raise TestbedError(f"could not remove cgroup {path}: {last_error}")
+
+
+def cleanup_cgroups(prefix=PREFIX, *, include_live=False, v1_root=V1_ROOT,
+                    v2_roots=V2_CANDIDATES):
+    """Remove ``prefix-*`` cgroups left by dead processes (all with include_live)."""
+    removed = []
+    for root in (v1_root, *v2_roots):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            pid = owner_pid(name)
+            path = os.path.join(root, name)
+            if pid is None or not os.path.isdir(path):
+                continue
+            if not include_live and (pid == os.getpid() or pid_alive(pid)):
+                continue
+            try:
+                remove_cgroup(path, root)
+                removed.append(path)
+            except TestbedError:
+                pass
+    return removed

@@ -1,0 +1,147 @@
+"""Predictors, the passive estimator and predictor evaluation (pure)."""
+
+import math
+
+import pytest
+
+from robot_offload import bandwidth as bw
+from robot_offload.testbed import traces
+
+
+def feed(p, values):
+    for i, v in enumerate(values):
+        p.update(0.1 * i, v)
+    return p.predict()
+
+
+def test_predictors_before_any_sample_return_none():
+    for p in bw.default_predictors():
+        assert p.predict() is None, p.name
+
+
+def test_last_value():
+    assert feed(bw.LastValue(), [1e6, 5e6, 3e6]) == 3e6
+
+
+def test_ewma_hand_computed():
+    # 10 -> 10 + .5 * (20 - 10) = 15 -> 15 + .5 * (40 - 15) = 27.5
+    assert feed(bw.Ewma(0.5), [10, 20, 40]) == pytest.approx(27.5)
+    with pytest.raises(ValueError):
+        bw.Ewma(0)
+
+
+def test_harmonic_mean_window():
+    # last 3 of [100, 10, 20, 40]: 3 / (1/10 + 1/20 + 1/40) = 17.142857
+    assert feed(bw.HarmonicMean(3), [100e3, 10e3, 20e3, 40e3]) == pytest.approx(
+        3 / (1 / 10e3 + 1 / 20e3 + 1 / 40e3))
+
+
+def test_harmonic_mean_survives_zero():
+    assert feed(bw.HarmonicMean(2), [0.0, 1e6]) == pytest.approx(
+        2 / (1 / bw.RATE_FLOOR_BPS + 1 / 1e6))
+
+
+def test_median_and_log_ewma():
+    assert feed(bw.MedianOfN(3), [5, 100, 1, 7]) == 7
+    # log-EWMA with alpha 1/2 of 1e6 and 4e6 is their geometric mean
+    assert feed(bw.LogEwma(0.5), [1e6, 4e6]) == pytest.approx(2e6)
+
+
+def test_ar1_recovers_mean_reversion():
+    # noise-free AR(1): x[k+1] = 10 + .8 x[k]; the fit must find a = 10, b = .8
+    x, seq = 100.0, []
+    for _ in range(30):
+        seq.append(x)
+        x = 10 + 0.8 * x
+    p = bw.Ar1(n=30)
+    assert feed(p, seq) == pytest.approx(10 + 0.8 * seq[-1], rel=1e-6)
+    assert feed(bw.Ar1(n=30, min_fit=10), [5.0] * 20) == 5.0  # flat window
+
+
+def test_reset_forgets():
+    p = bw.HarmonicMean(3)
+    feed(p, [1, 2, 3])
+    p.reset()
+    assert p.predict() is None
+
+
+def test_passive_estimator_ignores_small_and_corrects_rtt():
+    est = bw.PassiveEstimator(bw.LastValue())
+    assert est.add(bw.TransferSample(1.0, 1000, 0.01)) is None  # < 16 KB
+    assert est.ignored == 1
+    # 1 MB in 0.1 s with no RTT known: 80 Mbit/s
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 0.1)) == pytest.approx(80e6)
+    # same transfer with a 20 ms RTT taken off: 1e6 * 8 / 0.08 = 100 Mbit/s
+    assert est.add(bw.TransferSample(3.0, 1_000_000, 0.1), rtt_s=0.02) == pytest.approx(100e6)
+    assert est.predict_bps() == pytest.approx(100e6)
+    # latency-bound: the RTT eats more than 90 % of the duration
+    assert est.add(bw.TransferSample(4.0, 100_000, 0.01), rtt_s=0.0095) is None
+    e = est.estimate(4.0)
+    assert e.measured_bps == pytest.approx(100e6) and e.source == "passive"
+    assert e.predictor == "last"
+
+
+def test_passive_estimator_smoothed_rtt():
+    est = bw.PassiveEstimator()
+    est.observe_rtt(0.02)
+    est.observe_rtt(0.10)  # 0.02 + (0.10 - 0.02) / 8 = 0.03
+    assert est.srtt_s == pytest.approx(0.03)
+    assert est.measure(bw.TransferSample(0, 100_000, 0.13)) == pytest.approx(8e6)
+    with pytest.raises(ValueError):
+        est.observe_rtt(-1)
+    assert bw.PassiveEstimator().estimate(0).source == "none"
+
+
+def test_evaluate_predictors_exact_on_a_step():
+    t = traces.Trace([10e6] * 5 + [20e6] * 5, 0.1, "step")
+    rows = {r["predictor"]: r for r in bw.evaluate_predictors(t, [bw.LastValue()])}
+    r = rows["last"]
+    # 9 forecasts one step ahead; only the one made at sample 4 (10 -> 20) is wrong
+    assert r["n"] == 9
+    assert r["mae_bps"] == pytest.approx(10e6 / 9)
+    assert r["rmse_bps"] == pytest.approx(math.sqrt((10e6) ** 2 / 9))
+    assert r["mape_pct"] == pytest.approx(100 * 0.5 / 9)
+    assert r["bias_bps"] == pytest.approx(-10e6 / 9)
+
+
+def test_evaluate_horizon_and_mape_floor():
+    t = traces.Trace([0.0, 0.0, 5e6, 5e6], 0.1)
+    (r,) = bw.evaluate_predictors(t, [bw.LastValue()], horizon_s=0.2)
+    assert r["n"] == 2 and r["mape_n"] == 2
+    (r,) = bw.evaluate_predictors(t, [bw.LastValue()], horizon_s=0.1)
+    assert r["mape_n"] == 2  # the instant whose actual is 0 is left out of MAPE
+    with pytest.raises(ValueError):
+        bw.evaluate_predictors(t, [bw.LastValue()], horizon_s=1.0)
+
+
+def test_best_predictor_on_the_synthetic_traces():
+    trs = [traces.indoor(), traces.outdoor()]
+    scored, rows = bw.score_predictors(trs, metric="mae_bps")
+    assert len(rows) == 2 * len(bw.default_predictors())
+    best = bw.best_predictor(trs)
+    assert best.name == scored[0][1].name and best.predict() is None
+    by_name = {p.name: s for s, p in scored}
+    # heavy smoothing lags the outdoor fades: the winner beats it
+    assert by_name[best.name] < by_name["harmonic(5)"]
+    assert by_name[best.name] < by_name["ewma(0.3)"]
+    with pytest.raises(ValueError):
+        bw.score_predictors(trs, metric="nope")
+
+
+def test_make_predictor_from_names():
+    assert isinstance(bw.make_predictor(), bw.LastValue)
+    assert isinstance(bw.make_predictor("default"), bw.LastValue)
+    assert bw.make_predictor("ewma(0.3)").alpha == 0.3
+    assert bw.make_predictor("harmonic( 4 )").n == 4
+    assert bw.make_predictor("log-ewma").name == "log-ewma(0.5)"
+    # every default predictor's printed name builds the same predictor
+    for p in bw.default_predictors():
+        assert bw.make_predictor(p.name).name == p.name
+    with pytest.raises(ValueError, match="known: default, ar1, ewma"):
+        bw.make_predictor("kalman")
+    with pytest.raises(ValueError, match="takes no argument"):
+        bw.make_predictor("last(3)")
+    with pytest.raises(ValueError, match="bad predictor"):
+        bw.make_predictor("ewma(2)")
+    with pytest.raises(ValueError, match="bad predictor"):
+        bw.make_predictor("harmonic(x)")

@@ -1,0 +1,115 @@
+"""cgroup quota arithmetic, mechanism detection and file writes on fake trees."""
+
+import os
+
+import pytest
+
+from robot_offload.testbed import TestbedError, cgroup
+
+
+def test_quota_arithmetic():
+    assert cgroup.quota_for_ratio(0.25) == 25_000
+    assert cgroup.quota_for_ratio(2.0, 50_000) == 100_000
+    assert cgroup.quota_for_ratio(0.001) == cgroup.MIN_QUOTA_US  # kernel minimum 1 ms
+    with pytest.raises(ValueError):
+        cgroup.quota_for_ratio(0)
+    with pytest.raises(ValueError):
+        cgroup.quota_for_ratio(0.5, period_us=500)
+
+
+def test_cpu_max_format_and_parse():
+    assert cgroup.format_cpu_max(25_000, 100_000) == "25000 100000"
+    assert cgroup.format_cpu_max(None) == "max 100000"
+    assert cgroup.parse_cpu_max("max 100000\n") == (None, 100_000)
+    assert cgroup.parse_cpu_max("50000 100000") == (50_000, 100_000)
+    with pytest.raises(ValueError):
+        cgroup.parse_cpu_max("50000")
+
+
+def test_threads_for_ratio():
+    assert cgroup.threads_for_ratio(0.25, ncpu=8) == 1
+    assert cgroup.threads_for_ratio(2.6, ncpu=8) == 3
+    assert cgroup.threads_for_ratio(20, ncpu=8) == 8
+
+
+def fake_v1(tmp_path):
+    root = tmp_path / "cpu"
+    root.mkdir()
+    for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cgroup.procs"):
+        (root / f).write_text("")
+    return root
+
+
+def fake_v2(tmp_path, controllers="cpu memory", name="v2"):
+    root = tmp_path / name
+    root.mkdir()
+    (root / "cgroup.controllers").write_text(controllers + "\n")
+    (root / "cgroup.subtree_control").write_text("\n")
+    (root / "cgroup.procs").write_text("")
+    return root
+
+
+def test_choose_mechanism(tmp_path):
+    v1 = fake_v1(tmp_path)
+    assert cgroup.choose_mechanism(str(v1), ()).kind == "cgroup-v1"
+    v2 = fake_v2(tmp_path)
+    m = cgroup.choose_mechanism(str(tmp_path / "absent"), (str(v2),))
+    assert m == cgroup.Mechanism("cgroup-v2", str(v2))
+    nocpu = fake_v2(tmp_path, "memory", name="nocpu")
+    m = cgroup.choose_mechanism(str(tmp_path / "absent"), (str(nocpu),))
+    assert m.kind == "threads" and "cpu controller" in m.reason and "v1" in m.reason
+    assert not cgroup.available(str(tmp_path / "absent"), (str(nocpu),))
+
+
+def _remove_tree(path):
+    for f in os.listdir(path):
+        os.unlink(os.path.join(path, f))
+    os.rmdir(path)
+
+
+def test_cpu_limit_v1_writes_quota_and_removes_group(tmp_path):
+    v1 = fake_v1(tmp_path)
+    mech = cgroup.Mechanism("cgroup-v1", str(v1))
+    with cgroup.CpuLimit(0.25, mechanism=mech, remove_dir=_remove_tree,
+                         proc_root=str(tmp_path / "noproc")) as lim:
+        assert os.path.basename(lim.path).startswith(f"rotb-{os.getpid()}-")
+        assert open(os.path.join(lim.path, "cpu.cfs_quota_us")).read() == "25000"
+        assert open(os.path.join(lim.path, "cpu.cfs_period_us")).read() == "100000"
+        lim.add(4242)
+        assert open(lim.procs_file).read() == "4242"
+        assert lim.ratio == pytest.approx(0.25)
+        path = lim.path
+    assert not os.path.exists(path)
+    # the pid left in the group was moved back to the root group
+    assert (v1 / "cgroup.procs").read_text() == "4242"
+
+
+def test_cpu_limit_v2_writes_cpu_max_and_enables_controller(tmp_path):
+    v2 = fake_v2(tmp_path)
+    mech = cgroup.Mechanism("cgroup-v2", str(v2))
+    with cgroup.CpuLimit(quota_us=50_000, period_us=200_000, mechanism=mech,
+                         remove_dir=_remove_tree) as lim:
+        assert open(os.path.join(lim.path, "cpu.max")).read() == "50000 200000"
+        assert (v2 / "cgroup.subtree_control").read_text() == "+cpu"
+        assert lim.ratio == pytest.approx(0.25)
+        path = lim.path
+    assert not os.path.exists(path)
+
+
+def test_cpu_limit_refuses_clearly_without_cgroups(tmp_path):
+    mech = cgroup.Mechanism("threads", "", "no cpu controller here")
+    with pytest.raises(TestbedError, match="no cpu controller here"):
+        cgroup.CpuLimit(0.5, mechanism=mech).open()
+    with pytest.raises(ValueError):
+        cgroup.CpuLimit()
+    with pytest.raises(ValueError):
+        cgroup.CpuLimit(0.5, quota_us=1000)
+
+
+def test_own_cgroup_parsing(tmp_path):
+    d = tmp_path / "123"
+    d.mkdir()
+    (d / "cgroup").write_text("12:pids:/a\n4:cpu,cpuacct:/user.slice\n0::/system.slice/x\n")
+    assert cgroup._own_cgroup(123, "cgroup-v1", str(tmp_path)) == "/user.slice"
+    assert cgroup._own_cgroup(123, "cgroup-v2", str(tmp_path)) == "/system.slice/x"
+    assert cgroup._own_cgroup(999, "cgroup-v1", str(tmp_path)) == "/"
