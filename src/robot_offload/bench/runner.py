@@ -165,17 +165,9 @@ class BenchRunner:
                       "mode:=local", f"input_size:=[{','.join(map(str, size))}]",
                       "image_topic:=/bench/image", "points_topic:=/bench/points",
                       f"timeout_s:={cfg.timeout_s}"]
-        if lim is not None:
-            # `ip netns exec` mounts a sysfs of its own, so the cgroup is joined from out
-            # here: the shell waits on stdin until it is in the group, then becomes
-            # roslaunch, whose nodes inherit the group.
-            robot_argv = ["/bin/sh", "-c", 'read _ && exec "$@"', "sh"] + robot_argv
-        robot = tb.run("robot", robot_argv, env=robot_env, stdout=self._log(f"robot-{model}.log"),
-                       stderr=subprocess.STDOUT, stdin=subprocess.PIPE if lim is not None else None)
-        if lim is not None:
-            lim.add(robot.pid)
-            robot.stdin.write(b"go\n")
-            robot.stdin.close()
+        # Robot nodes inherit the CPU quota from roslaunch (None: no limit).
+        robot = tb.run("robot", robot_argv, env=robot_env, cpu_limit=lim,
+                       stdout=self._log(f"robot-{model}.log"), stderr=subprocess.STDOUT)
         rows = []
         try:
             for trace in self.traces:
