@@ -223,8 +223,9 @@ class PassiveEstimator:
     ``measured = bytes * 8 / (duration - rtt)``; a transfer is ignored (returns None) when
     it is smaller than ``min_bytes`` or when the RTT leaves less than
     ``min_effective_fraction`` of its duration (latency-bound: the bytes/time ratio would
-    be mostly noise). The RTT is the one passed with the sample, else the smoothed RTT from
-    :meth:`observe_rtt` (RFC 6298 style, gain 1/8), else none (no correction).
+    be mostly noise). The RTT is the one passed with the sample, else the minimum of the
+    recent RTTs from :meth:`observe_rtt` (the base RTT; ``srtt_s``, RFC 6298 smoothing with
+    gain 1/8, is kept for reporting), else none (no correction).
 
     The default predictor is :class:`LastValue`: on the synthetic indoor/outdoor traces it
     has the lowest MAE 100 ms ahead (see :func:`evaluate_predictors`); pass another, e.g.
@@ -238,6 +239,10 @@ class PassiveEstimator:
         self.rtt_gain = float(rtt_gain)
         self.min_effective_fraction = float(min_effective_fraction)
         self.srtt_s = None
+        # The base (propagation) RTT: the minimum of recent RTTs. Under load an RTT probe
+        # waits behind queued data, so the smoothed RTT grows with the queue; subtracting
+        # it from a transfer's duration would inflate the measured rate (BBR's reasoning).
+        self._recent_rtts = collections.deque(maxlen=32)
         self.last_measured_bps = None
         self.last_t_s = None
         self.used = 0
@@ -250,12 +255,19 @@ class PassiveEstimator:
             raise ValueError(f"rtt must be a finite number of seconds >= 0, got {rtt_s}")
         self.srtt_s = rtt_s if self.srtt_s is None else (
             self.srtt_s + self.rtt_gain * (rtt_s - self.srtt_s))
+        self._recent_rtts.append(rtt_s)
+
+    @property
+    def min_rtt_s(self):
+        """Minimum of the last 32 RTTs (s), or None: what a transfer's duration includes
+        besides the bytes themselves."""
+        return min(self._recent_rtts) if self._recent_rtts else None
 
     def measure(self, sample, rtt_s=None):
         """The rate a sample shows (bit/s), or None if it cannot show one. Pure."""
         if sample.bytes < self.min_bytes or not sample.duration_s > 0:
             return None
-        rtt = self.srtt_s if rtt_s is None else float(rtt_s)
+        rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
         effective = sample.duration_s - (rtt or 0.0)
         if effective < self.min_effective_fraction * sample.duration_s:
             return None

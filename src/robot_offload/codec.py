@@ -5,26 +5,44 @@ Wire format (one :class:`EncodedTensor`, mirrored by ``msg/Tensor.msg``):
 * ``raw``     -- the tensor's own dtype, little endian. Lossless.
 * ``float16`` -- floating tensors sent as IEEE half and decoded back to their dtype.
   Relative error <= 2**-11; values beyond +-65504 are refused rather than sent as inf.
-* ``int8``    -- per-tensor affine uint8 with an input-specific scale (DynO): the range is
-  taken from this tensor, widened to include 0 so that zeros (ReLU outputs) stay exact.
-  Absolute error <= scale / 2 (see :func:`tolerance`).
+* ``int8``    -- per-tensor affine uint8 with an input-specific scale (DynO's ISQuant): the
+  range is taken from this tensor, widened to include 0 so that zeros (ReLU outputs) stay
+  exact. Absolute error <= scale / 2 (see :func:`tolerance`).
+* ``int7`` .. ``int2`` -- the same affine quantisation with ``2**b - 1`` steps, packed densely:
+  element ``i`` occupies bits ``i*b .. i*b+b-1`` of the payload (least significant bit
+  first), so ``ceil(numel * b / 8)`` bytes; unused bits of the last byte are zero.
 
-Any codec may be followed by ``zstd`` compression. Decoding trusts nothing: codec, dtype,
-shape, sizes and quantisation parameters are checked against each other and against a
-maximum payload size before a byte is interpreted, and the bytes are only ever read with
-``torch.frombuffer`` -- nothing is unpickled or executed.
+Compression, after the codec:
+
+* ``none``.
+* ``zstd``.
+* ``bitshuffle_zstd`` -- DynO's bit shuffling before zstd: the payload is read as ``numel``
+  elements of ``w`` bits (``w`` = 8 x itemsize for raw / float16, ``b`` for the integer
+  codecs) and, per block of :data:`BIT_BLOCK` elements, rewritten bit plane by bit plane
+  (bit 0 of every element of the block, then bit 1, ...). It is a length-preserving bit
+  permutation that puts the near-constant high bits of activations next to each other,
+  where zstd finds them. ``raw_size`` is the payload size before it. (Shuffling without
+  compression would not change the size, so it is not offered on its own.)
+
+Decoding trusts nothing: codec, dtype, shape, sizes and quantisation parameters are checked
+against each other and against a maximum payload size before a byte is interpreted, and the
+bytes are only ever read with ``torch.frombuffer`` / ``numpy.frombuffer`` -- nothing is
+unpickled or executed.
 """
 
 import math
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
+import numpy as np
 import torch
 
 from robot_offload.errors import CodecError
 
-CODECS = ("raw", "float16", "int8")
-COMPRESSIONS = ("none", "zstd")
+#: Integer codecs and their bit widths (affine quantisation with an input-specific scale).
+INT_BITS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2}
+CODECS = ("raw", "float16") + tuple(INT_BITS)
+COMPRESSIONS = ("none", "zstd", "bitshuffle_zstd")
 #: Largest decoded payload accepted by default (bytes). Servers and clients configure theirs.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 MAX_DIMS = 16
@@ -73,12 +91,79 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _itemsize(dtype: str, codec: str) -> int:
+def _element_bits(dtype: str, codec: str) -> int:
+    """Bits one element occupies in the (uncompressed) payload."""
     if codec == "float16":
-        return 2
-    if codec == "int8":
-        return 1
-    return torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        return 16
+    if codec in INT_BITS:
+        return INT_BITS[codec]
+    return 8 * torch.empty((), dtype=_DTYPES[dtype]).element_size()
+
+
+def _payload_size(numel: int, dtype: str, codec: str) -> int:
+    return (numel * _element_bits(dtype, codec) + 7) // 8
+
+
+#: Elements per block of the bit-level transforms (a multiple of 8, so that every block but
+#: the last starts on a byte boundary); bounds their temporary memory to ~16 bytes / element
+#: of one block, whatever the tensor's size.
+BIT_BLOCK = 1 << 16
+
+
+def _blocks(numel: int, bits: int):
+    """(first element, elements, first byte, bytes) of each block of a dense bit stream."""
+    for start in range(0, numel, BIT_BLOCK):
+        n = min(BIT_BLOCK, numel - start)
+        yield start, n, start * bits // 8, (n * bits + 7) // 8
+
+
+def _check_padding(block: np.ndarray, used_bits: int) -> None:
+    if used_bits % 8 and int(block[-1]) >> (used_bits % 8):
+        raise CodecError("nonzero padding bits after the last packed element")
+
+
+def _pack_bits(q: np.ndarray, bits: int) -> bytes:
+    """Dense little-endian bit packing of uint8 values below 2**bits: element i occupies
+    bits i*bits .. i*bits+bits-1 of the stream."""
+    out = np.empty((q.size * bits + 7) // 8, dtype=np.uint8)
+    for start, n, b0, nb in _blocks(q.size, bits):
+        planes = np.unpackbits(q[start:start + n].reshape(-1, 1), axis=1, bitorder="little")
+        out[b0:b0 + nb] = np.packbits(planes[:, :bits].reshape(-1), bitorder="little")
+    return out.tobytes()
+
+
+def _unpack_bits(payload: bytes, numel: int, bits: int) -> np.ndarray:
+    src = np.frombuffer(payload, dtype=np.uint8)
+    out = np.empty(numel, dtype=np.uint8)
+    for start, n, b0, nb in _blocks(numel, bits):
+        block = src[b0:b0 + nb]
+        _check_padding(block, n * bits)
+        planes = np.zeros((n, 8), dtype=np.uint8)
+        planes[:, :bits] = np.unpackbits(block, bitorder="little", count=n * bits).reshape(n, bits)
+        out[start:start + n] = np.packbits(planes, axis=1, bitorder="little").reshape(n)
+    return out
+
+
+def _bitshuffle(payload: bytes, numel: int, bits: int) -> bytes:
+    """Per block of BIT_BLOCK elements: element-major bits -> bit-plane-major bits (bit 0
+    of every element of the block, then bit 1, ...). Same length as ``payload``."""
+    src = np.frombuffer(payload, dtype=np.uint8)
+    out = np.empty_like(src)
+    for _, n, b0, nb in _blocks(numel, bits):
+        flat = np.unpackbits(src[b0:b0 + nb], bitorder="little", count=n * bits)
+        out[b0:b0 + nb] = np.packbits(flat.reshape(n, bits).T.reshape(-1), bitorder="little")
+    return out.tobytes()
+
+
+def _bitunshuffle(payload: bytes, numel: int, bits: int) -> bytes:
+    src = np.frombuffer(payload, dtype=np.uint8)
+    out = np.empty_like(src)
+    for _, n, b0, nb in _blocks(numel, bits):
+        block = src[b0:b0 + nb]
+        _check_padding(block, n * bits)
+        flat = np.unpackbits(block, bitorder="little", count=n * bits)
+        out[b0:b0 + nb] = np.packbits(flat.reshape(bits, n).T.reshape(-1), bitorder="little")
+    return out.tobytes()
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -105,20 +190,24 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
         if t.numel() and float(t.abs().max()) > _FLOAT16_MAX:
             raise CodecError(f"tensor {name!r} exceeds the float16 range (+-65504); use raw")
         payload = _to_bytes(t.to(torch.float16))
-    elif codec == "int8":
+    elif codec in INT_BITS:
+        bits = INT_BITS[codec]
+        levels = (1 << bits) - 1
         tf = t.to(torch.float32)
         if t.numel() and not bool(torch.isfinite(tf).all()):
-            raise CodecError(f"tensor {name!r} has non-finite values; int8 cannot encode them")
+            raise CodecError(f"tensor {name!r} has non-finite values; {codec} cannot encode them")
         lo = min(float(tf.min()), 0.0) if t.numel() else 0.0
         hi = max(float(tf.max()), 0.0) if t.numel() else 0.0
-        scale = (hi - lo) / 255.0 if hi > lo else 1.0
-        zero_point = int(min(255, max(0, round(-lo / scale))))
-        q = torch.clamp(torch.round(tf / scale) + zero_point, 0, 255).to(torch.uint8)
-        payload = _to_bytes(q)
+        scale = (hi - lo) / levels if hi > lo else 1.0
+        zero_point = int(min(levels, max(0, round(-lo / scale))))
+        q = torch.clamp(torch.round(tf / scale) + zero_point, 0, levels).to(torch.uint8)
+        payload = _to_bytes(q) if bits == 8 else _pack_bits(q.reshape(-1).numpy(), bits)
     else:
         payload = _to_bytes(t)
     raw_size = len(payload)
-    if compression == "zstd":
+    if compression == "bitshuffle_zstd" and payload:
+        payload = _bitshuffle(payload, t.numel(), _element_bits(dtype, codec))
+    if compression in ("zstd", "bitshuffle_zstd"):
         payload = _zstd().ZstdCompressor(level=zstd_level).compress(payload)
     return EncodedTensor(name=name, dtype=dtype, shape=[int(s) for s in t.shape], codec=codec,
                          compression=compression, scale=float(scale), zero_point=zero_point,
@@ -141,15 +230,17 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     shape = list(enc.shape)
     if len(shape) > MAX_DIMS or any(int(s) < 0 for s in shape):
         raise CodecError(f"invalid shape {shape}")
-    expected = _numel(shape) * _itemsize(enc.dtype, enc.codec)
-    if expected > max_bytes or len(enc.data) > max_bytes:
-        raise PayloadTooLarge(
-            f"tensor {enc.name!r} needs {max(expected, len(enc.data))} bytes; the limit is {max_bytes}")
+    numel = _numel(shape)
+    expected = _payload_size(numel, enc.dtype, enc.codec)
+    decoded = numel * torch.empty((), dtype=_DTYPES[enc.dtype]).element_size()
+    if max(expected, decoded, len(enc.data)) > max_bytes:
+        raise PayloadTooLarge(f"tensor {enc.name!r} needs {max(expected, decoded, len(enc.data))} "
+                              f"bytes; the limit is {max_bytes}")
     if enc.raw_size != expected:
         raise CodecError(f"tensor {enc.name!r}: raw_size {enc.raw_size} does not match shape "
                          f"{shape} and {enc.dtype}/{enc.codec} ({expected} bytes)")
     payload = bytes(enc.data)
-    if enc.compression == "zstd":
+    if enc.compression in ("zstd", "bitshuffle_zstd"):
         try:
             payload = _zstd().ZstdDecompressor().decompress(payload, max_output_size=expected)
         except _zstd().ZstdError as e:
@@ -157,16 +248,25 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     if len(payload) != expected:
         raise CodecError(f"tensor {enc.name!r}: {len(payload)} bytes of data, shape {shape} and "
                          f"{enc.dtype}/{enc.codec} need {expected}")
-    if enc.codec == "int8":
-        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= 255:
-            raise CodecError(f"tensor {enc.name!r}: bad int8 parameters scale={enc.scale} "
+    if enc.codec in INT_BITS:
+        levels = (1 << INT_BITS[enc.codec]) - 1
+        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= levels:
+            raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
                              f"zero_point={enc.zero_point}")
-    wire_dtype = {"float16": torch.float16, "int8": torch.uint8}.get(enc.codec, _DTYPES[enc.dtype])
     if expected == 0:
         return torch.empty(shape, dtype=_DTYPES[enc.dtype])
+    if enc.compression == "bitshuffle_zstd":
+        payload = _bitunshuffle(payload, numel, _element_bits(enc.dtype, enc.codec))
+    if enc.codec in INT_BITS:
+        bits = INT_BITS[enc.codec]
+        if bits == 8:
+            q = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            q = torch.from_numpy(_unpack_bits(payload, numel, bits))
+        q = q.reshape(shape)
+        return ((q.to(torch.float32) - enc.zero_point) * enc.scale).to(_DTYPES[enc.dtype])
+    wire_dtype = torch.float16 if enc.codec == "float16" else _DTYPES[enc.dtype]
     t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(wire_dtype).reshape(shape)
-    if enc.codec == "int8":
-        return ((t.to(torch.float32) - enc.zero_point) * enc.scale).to(_DTYPES[enc.dtype])
     if enc.codec == "float16":
         return t.to(_DTYPES[enc.dtype])
     return t
@@ -175,14 +275,14 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
 def tolerance(enc: EncodedTensor) -> float:
     """Largest absolute error decode(enc) can have against the encoded tensor, for
     ``torch.testing.assert_close(atol=...)``; relative-only codecs return 0 (see rtol)."""
-    if enc.codec == "int8":
+    if enc.codec in INT_BITS:
         # half a step, plus float32 rounding of values up to 255 steps large
         return enc.scale * (0.5 + 1e-3)
     return 0.0
 
 
 #: Relative tolerance of each codec (for assert_close's rtol).
-RTOL = {"raw": 0.0, "float16": 2.0 ** -11, "int8": 0.0}
+RTOL = {"raw": 0.0, "float16": 2.0 ** -11, **{c: 0.0 for c in INT_BITS}}
 
 
 class PayloadTooLarge(CodecError):

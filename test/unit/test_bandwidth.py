@@ -81,12 +81,14 @@ def test_passive_estimator_ignores_small_and_corrects_rtt():
     assert e.predictor == "last"
 
 
-def test_passive_estimator_smoothed_rtt():
+def test_passive_estimator_uses_base_rtt_not_queue_inflated_rtt():
     est = bw.PassiveEstimator()
     est.observe_rtt(0.02)
     est.observe_rtt(0.10)  # 0.02 + (0.10 - 0.02) / 8 = 0.03
     assert est.srtt_s == pytest.approx(0.03)
-    assert est.measure(bw.TransferSample(0, 100_000, 0.13)) == pytest.approx(8e6)
+    assert est.min_rtt_s == pytest.approx(0.02)
+    # 100 kB in 0.12 s, less the base RTT of 0.02 s: 800 kbit / 0.1 s
+    assert est.measure(bw.TransferSample(0, 100_000, 0.12)) == pytest.approx(8e6)
     with pytest.raises(ValueError):
         est.observe_rtt(-1)
     assert bw.PassiveEstimator().estimate(0).source == "none"

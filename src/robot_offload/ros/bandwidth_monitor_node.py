@@ -49,11 +49,11 @@ class BandwidthMonitorNode:
     def _on_stats(self, msg):
         if msg.round_trips == 0 or msg.transfer_s <= 0:
             return
-        srtt = self.estimator.srtt_s
+        base_rtt = self.estimator.min_rtt_s
         sample = TransferSample(t_s=msg.header.stamp.to_sec() + msg.latency_s,
                                 bytes=msg.bytes_up + msg.bytes_down, duration_s=msg.transfer_s)
         with self._lock:
-            if self.estimator.add(sample, None if srtt is None else srtt * msg.round_trips) is not None:
+            if self.estimator.add(sample, None if base_rtt is None else base_rtt * msg.round_trips) is not None:
                 self.source = BandwidthEstimate.SOURCE_PASSIVE
 
     def _ping(self, payload: bytes) -> float:
