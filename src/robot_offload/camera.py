@@ -28,18 +28,29 @@ class SyntheticSource:
         self._base = ((xx * 255 // max(width - 1, 1)).astype(np.uint8),
                       (yy * 255 // max(height - 1, 1)).astype(np.uint8))
         self.index = 0
+        self._rects = []
 
     def read(self) -> np.ndarray:
         i = self.index
         self.index += 1
         gx, gy = self._base
         img = np.stack([gx + np.uint8(i % 256), gy, np.full_like(gx, (i * 3) % 256)], axis=2)
+        self._rects = []
         for color, size, phase, speed in self._squares:
             s = int(size * min(self.width, self.height))
             cx = int((0.5 + 0.4 * np.sin(phase[0] + speed[0] * i)) * (self.width - s))
             cy = int((0.5 + 0.4 * np.sin(phase[1] + speed[1] * i)) * (self.height - s))
             img[cy:cy + s, cx:cx + s] = color
+            self._rects.append((cx, cy, s))
         return img
+
+    def depth_m(self, background_m: float = 3.0, objects_m: float = 2.0) -> np.ndarray:
+        """A float32 depth image (m, REP 118) registered to the last frame: a wall at
+        ``background_m`` with the squares at ``objects_m``."""
+        depth = np.full((self.height, self.width), background_m, dtype=np.float32)
+        for cx, cy, s in self._rects:
+            depth[cy:cy + s, cx:cx + s] = objects_m
+        return depth
 
     def close(self):
         pass
@@ -99,6 +110,13 @@ class VideoSource:
 
     def close(self):
         self.cap.release()
+
+
+def pinhole_k(width: int, height: int, hfov_deg: float) -> list:
+    """Row-major 3x3 camera matrix of an ideal pinhole with a horizontal field of view."""
+    import math
+    f = width / (2.0 * math.tan(math.radians(hfov_deg) / 2.0))
+    return [f, 0.0, (width - 1) / 2.0, 0.0, f, (height - 1) / 2.0, 0.0, 0.0, 1.0]
 
 
 def open_source(source: str, width: int = 640, height: int = 480, loop: bool = True, seed: int = 0):

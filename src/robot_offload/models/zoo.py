@@ -80,9 +80,21 @@ _detector("fasterrcnn_resnet50_fpn", tvd.fasterrcnn_resnet50_fpn, "Faster R-CNN 
 _detector("retinanet_resnet50_fpn", tvd.retinanet_resnet50_fpn, "RetinaNet R50-FPN (RRTO Tab. V)")
 
 
+class KeypointAdapter(nn.Module):
+    """KAPAO returns (decoded predictions, raw head maps); only the first is used after
+    inference, and the raw maps are as large again (23 MB at 1280 px): leave them behind."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+
 def _kapao():
     from robot_offload.models.kapao import build_kapao
-    return build_kapao()
+    return KeypointAdapter(build_kapao())
 
 
 class OccupancyAdapter(nn.Module):

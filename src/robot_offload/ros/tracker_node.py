@@ -1,0 +1,86 @@
+"""person_tracker: the KAPAO people-tracking application's last stage.
+
+Takes offload_client's KAPAO result, decodes poses (NMS, keypoint-object fusion), looks
+up the registered depth image at the keypoints, projects them with the camera info,
+keeps one target with a constant-velocity Kalman filter and publishes ``~target``
+(geometry_msgs/PointStamped, camera optical frame) and ``~people`` (People).
+"""
+
+import threading
+
+import rospy
+from geometry_msgs.msg import Point, PointStamped
+from sensor_msgs.msg import CameraInfo, Image
+
+from robot_offload import codec, structure
+from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES, decode_poses, rescale_poses
+from robot_offload.apps.tracking import CameraIntrinsics, PersonTracker, TrackerConfig
+from robot_offload.msg import InferenceResult, People, Person
+from robot_offload.ros.conversions import tensor_from_msg
+
+
+class TrackerNode:
+    def __init__(self):
+        self.model_input_hw = tuple(rospy.get_param("~model_input_size", [1280, 1280]))
+        self.conf_pose = float(rospy.get_param("~conf_thres_pose", 0.3))
+        self.conf_kp = float(rospy.get_param("~conf_thres_kp", 0.3))
+        self.iou = float(rospy.get_param("~iou_thres", 0.45))
+        self.tracker = PersonTracker(TrackerConfig(
+            max_coast_s=float(rospy.get_param("~max_coast_s", 1.0)),
+            process_noise_std_mps2=float(rospy.get_param("~process_noise_std_mps2", 2.0)),
+            measurement_noise_std_m=float(rospy.get_param("~measurement_noise_std_m", 0.1)),
+            min_keypoints=int(rospy.get_param("~min_keypoints", 3)),
+            depth_window_px=int(rospy.get_param("~depth_window_px", 5))))
+        from cv_bridge import CvBridge
+        self._bridge = CvBridge()
+        self._lock = threading.Lock()
+        self._depth = None
+        self._info = None
+        self.target_pub = rospy.Publisher("~target", PointStamped, queue_size=10)
+        self.people_pub = rospy.Publisher("~people", People, queue_size=10)
+        rospy.Subscriber("depth", Image, self._on_depth, queue_size=1, buff_size=2 ** 24)
+        rospy.Subscriber("camera_info", CameraInfo, self._on_info, queue_size=1)
+        rospy.Subscriber("result", InferenceResult, self._on_result, queue_size=1, buff_size=2 ** 26)
+
+    def _on_depth(self, msg):
+        with self._lock:
+            self._depth = self._bridge.imgmsg_to_cv2(msg)
+
+    def _on_info(self, msg):
+        with self._lock:
+            self._info = msg
+
+    def _on_result(self, msg):
+        with self._lock:
+            depth, info = self._depth, self._info
+        if info is None:
+            rospy.logwarn_throttle(5.0, "person_tracker: waiting for camera_info")
+            return
+        outputs = structure.unflatten([codec.decode(tensor_from_msg(t)) for t in msg.outputs],
+                                      msg.structure_json)
+        pred = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+        poses = rescale_poses(decode_poses(pred, self.conf_pose, self.conf_kp, self.iou),
+                              self.model_input_hw, (info.height, info.width))
+        people = People(header=msg.header, target_index=-1, track_status="none")
+        people.header.frame_id = info.header.frame_id or msg.header.frame_id
+        positions = [None] * len(poses)
+        if depth is not None:
+            intrinsics = CameraIntrinsics.from_camera_info_k(info.K)
+            result, positions = self.tracker.update_from_poses(msg.header.stamp.to_sec(), poses, depth, intrinsics)
+            people.track_status = result.status.value
+            if result.target_index is not None:
+                people.target_index = int(result.target_index)
+            if result.has_target and not result.stale:
+                target = PointStamped(header=people.header)
+                target.point = Point(*map(float, result.position_m))
+                self.target_pub.publish(target)
+        for pose, pos in zip(poses, positions):
+            kp = pose.keypoints
+            person = Person(score=float(pose.score), box_xyxy=[float(v) for v in pose.box_xyxy],
+                            keypoint_names=list(COCO_KEYPOINT_NAMES[:len(kp)]),
+                            keypoints_u=kp[:, 0].tolist(), keypoints_v=kp[:, 1].tolist(),
+                            keypoints_conf=kp[:, 2].tolist(), has_position=pos is not None)
+            if pos is not None:
+                person.position = Point(*map(float, pos))
+            people.people.append(person)
+        self.people_pub.publish(people)
