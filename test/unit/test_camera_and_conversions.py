@@ -77,3 +77,21 @@ def test_pointcloud2_round_trip():
     msg.data = msg.data[:-4]
     with pytest.raises(ValueError):
         pointcloud2_to_xyzi(msg)
+
+
+def test_pinhole_and_synthetic_depth():
+    import math
+    from robot_offload.camera import pinhole_k
+    k = pinhole_k(640, 480, 90.0)
+    assert k[0] == k[4] == pytest.approx(320.0)         # f = w / (2 tan 45 deg)
+    assert (k[2], k[5], k[8]) == (319.5, 239.5, 1.0)
+    src = SyntheticSource(64, 48, seed=1)
+    img = src.read()
+    depth = src.depth_m(3.0, 2.0)
+    assert depth.dtype == np.float32 and depth.shape == (48, 64)
+    assert set(np.unique(depth)) <= {2.0, 3.0} and (depth == 2.0).any()
+    # the near pixels are exactly the painted squares (their colour differs from the ramp)
+    cx, cy, s = src._rects[-1]
+    assert np.all(depth[cy:cy + s, cx:cx + s] == 2.0)
+    assert math.isclose(float(depth[depth == 3.0].mean()), 3.0)
+    del img
