@@ -14,10 +14,11 @@ import torch
 
 from robot_offload import backends
 from robot_offload.codec import CODECS, COMPRESSIONS
-from robot_offload.energy import MeasuredPower, modelled_energy_j
+from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError, OffloadError, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.models import get_spec, weights_hash
+from robot_offload.power import EnergyMeter
 from robot_offload.stats import FrameStats
 from robot_offload.transport.base import Transport
 
@@ -43,6 +44,17 @@ class ClientConfig:
     compute_w: float = 13.35        # state model: robot power while computing (W)
     transmit_w: float = 4.25        # state model: robot power while transmitting (W)
     idle_w: float = 4.04            # state model: robot power while waiting (W)
+    # layer_partition (split point + activation encoding per predicted bandwidth)
+    objective: str = "latency"      # what its plans minimise: latency | energy
+    error_tolerance: float = 0.01   # max relative output error of a lossy activation encoding
+    bandwidth_bps_default: float = 50e6  # bandwidth assumed while there is no prediction (bit/s)
+    server_speedup: float = 10.0    # server compute = robot compute / this, until measured
+    rtt_s: float = 0.002            # round trip of one request in the latency model (s)
+    replan_threshold: float = 0.3   # re-plan when measured / profiled compute drifts this much
+    profile_dir: str = ""           # profile cache; "" = ~/.cache/robot_offload/profiles
+    profile_refresh: bool = False   # measure the profile again instead of loading it
+    partition_codecs: Sequence[str] = ()        # activation codecs to consider; () = default set
+    partition_compressions: Sequence[str] = ()  # compressions to consider; () = default set
 
     def validate(self) -> "ClientConfig":
         get_spec(self.model)
@@ -58,6 +70,17 @@ class ClientConfig:
             raise ConfigError(f"input_size must be positive, got {list(self.input_size)}")
         if not (self.compute_w >= self.idle_w >= 0 and self.transmit_w >= self.idle_w):
             raise ConfigError("need compute_w >= idle_w >= 0 and transmit_w >= idle_w")
+        if self.objective not in ("latency", "energy"):
+            raise ConfigError(f"unknown objective {self.objective!r}; known: ['latency', 'energy']")
+        if not (self.error_tolerance >= 0 and self.bandwidth_bps_default > 0 and self.server_speedup > 0
+                and self.rtt_s >= 0 and self.replan_threshold > 0):
+            raise ConfigError("need error_tolerance >= 0, bandwidth_bps_default > 0, server_speedup > 0, "
+                              "rtt_s >= 0 and replan_threshold > 0")
+        for name, values, known in (("partition_codecs", self.partition_codecs, CODECS),
+                                    ("partition_compressions", self.partition_compressions, COMPRESSIONS)):
+            bad = [v for v in values if v not in known]
+            if bad:
+                raise ConfigError(f"unknown {name} {bad}; known: {list(known)}")
         return self
 
 
@@ -80,7 +103,7 @@ class OffloadClient:
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0
-        self.measured_power = MeasuredPower()   # fed by the node with sensor samples
+        self.measured_power = EnergyMeter(None)   # fed by the node with sensor samples
         self.predicted_bandwidth_bps = float("nan")  # fed by the node (bandwidth_monitor)
         # perf_counter -> wall clock, for matching intervals with stamped power samples
         self.wall_offset_s = time.time() - time.perf_counter()
@@ -149,8 +172,9 @@ class OffloadClient:
     def _account_energy(self, stats: FrameStats, t0: float, t1: float) -> None:
         """Measured energy when a power sensor's samples cover the frame, else modelled."""
         w0, w1 = t0 + self.wall_offset_s, t1 + self.wall_offset_s
-        if self.measured_power.covers(w0):
-            stats.energy_j = self.measured_power.energy_j(w0, w1)
+        first, _ = self.measured_power.span_s
+        if first is not None and first <= w0:
+            stats.energy_j = self.measured_power.energy_between(w0, w1, hold_last=True)
             stats.energy_modelled = False
         else:
             c = self.config

@@ -447,16 +447,21 @@ class EnergyMeter:
 
     def sample(self):
         reading = self.source.read()
+        self.add(reading.t_s, reading.watts)
+        self.last = reading
+        return reading
+
+    def add(self, t_s, watts):
+        """Add a reading pushed from elsewhere (e.g. a PowerSample topic). Readings must
+        not go back in time."""
         with self._lock:
-            if self._t and reading.t_s < self._t[-1]:
+            if self._t and t_s < self._t[-1]:
                 raise ValueError("power readings went back in time")
-            self._t.append(reading.t_s)
-            self._w.append(reading.watts)
+            self._t.append(t_s)
+            self._w.append(watts)
             if len(self._t) > self._max:
                 del self._t[:len(self._t) - self._max]
                 del self._w[:len(self._w) - self._max]
-        self.last = reading
-        return reading
 
     def start(self, period_s=0.05):
         if self._thread is not None:
@@ -494,12 +499,17 @@ class EnergyMeter:
         with self._lock:
             return (self._t[0], self._t[-1]) if self._t else (None, None)
 
-    def energy_between(self, t0_s, t1_s):
-        """Energy (J) over [t0_s, t1_s]; the samples must cover the interval."""
+    def energy_between(self, t0_s, t1_s, hold_last=False):
+        """Energy (J) over [t0_s, t1_s]; the samples must cover the interval, except that
+        with ``hold_last`` the last reading's power is held after it (for an interval that
+        ends before the next reading has arrived)."""
         if t1_s < t0_s:
             raise ValueError(f"t1 {t1_s} < t0 {t0_s}")
         with self._lock:
             t, w = list(self._t), list(self._w)
+        if hold_last and t and t1_s > t[-1]:
+            t.append(t1_s)
+            w.append(w[-1])
         eps = 1e-9
         if not t or t0_s < t[0] - eps or t1_s > t[-1] + eps:
             span = f"[{t[0]}, {t[-1]}]" if t else "no samples"

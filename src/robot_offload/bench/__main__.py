@@ -73,7 +73,8 @@ def main(argv=None):
     text = write_report(rows, runner, runner.traces, args.out, command)
     print(text)
     print(f"bench: {time.monotonic() - t0:.0f} s; report in {args.out}/report.md", file=sys.stderr)
-    return 1 if "FAIL" in text.split("## Physical-limit check")[1].split("##")[0] else 0
+    physical_fail = "FAIL" in text.split("## Physical-limit check")[1].split("##")[0]
+    return 1 if physical_fail or runner.failed else 0
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class BenchRunner:
         self.log_dir = os.path.join(config.out_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
         self.notes: List[str] = []
+        self.failed: List[str] = []
         self.applied: Dict[str, list] = {}
 
     def _log(self, name):
@@ -124,7 +125,13 @@ class BenchRunner:
                 self._wait_for_master(tb, server_env, core)
                 with limit as lim:
                     for model in cfg.models:
-                        rows += self._run_model(tb, lim, model, server_env, robot_env)
+                        try:
+                            rows += self._run_model(tb, lim, model, server_env, robot_env)
+                        except (RuntimeError, TimeoutError, OSError) as e:
+                            # One model failing (a crashed node, a timeout) must not cost
+                            # the others' results: say so in the report and go on.
+                            self.notes.append(f"FAILED {model}: {e} (see {self.log_dir})")
+                            self.failed.append(model)
             finally:
                 _stop(core)
         return rows
@@ -171,6 +178,8 @@ class BenchRunner:
         rows = []
         try:
             for trace in self.traces:
+                if robot.poll() is not None:
+                    raise RuntimeError(f"robot.launch for {model} exited; see logs/robot-{model}.log")
                 for mode in cfg.modes:
                     rows += self._segment(tb, model, spec, trace, mode, robot_env)
         finally:

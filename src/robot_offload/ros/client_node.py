@@ -88,7 +88,10 @@ class OffloadClientNode:
         # Modelled samples come from this client's own activity: the client models its
         # energy itself. Only a sensor's samples replace the model.
         if not msg.modelled:
-            self.client.measured_power.add(msg.header.stamp.to_sec(), msg.watts, msg.source)
+            try:
+                self.client.measured_power.add(msg.header.stamp.to_sec(), msg.watts)
+            except ValueError:
+                pass  # out of order: keep the window monotonic
 
     # -- frames -------------------------------------------------------------------------
     def _to_frame(self, msg):
