@@ -15,7 +15,7 @@ import torch
 from robot_offload import backends
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
-from robot_offload.errors import ConfigError, OffloadError, RemoteError, TransportError
+from robot_offload.errors import ConfigError, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.models import get_spec, weights_hash
 from robot_offload.power import EnergyMeter
@@ -46,7 +46,7 @@ class ClientConfig:
     idle_w: float = 4.04            # state model: robot power while waiting (W)
     # layer_partition (split point + activation encoding per predicted bandwidth)
     objective: str = "latency"      # what its plans minimise: latency | energy
-    error_tolerance: float = 0.01   # max relative output error of a lossy activation encoding
+    error_tolerance: float = 0.005  # max relative output error of a lossy activation encoding
     bandwidth_bps_default: float = 50e6  # bandwidth assumed while there is no prediction (bit/s)
     server_speedup: float = 10.0    # server compute = robot compute / this, until measured
     rtt_s: float = 0.002            # round trip of one request in the latency model (s)

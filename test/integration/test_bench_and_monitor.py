@@ -3,7 +3,6 @@ change within 1 s, power samples and energy per inference reach the stats, and t
 benchmark's --quick profile produces its table, CSV and plots."""
 
 import csv
-import json
 import os
 import subprocess
 import sys

@@ -2,7 +2,6 @@
 predictor evaluation and the physical-limit check."""
 
 import csv
-import math
 import os
 from typing import Dict, List, Sequence
 
@@ -118,7 +117,7 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
     from robot_offload.testbed import traces as tr
     pred_traces = synthetic or [tr.indoor(), tr.outdoor()]
     md = [f"# Benchmark\n\n`{command}`\n", "## Set-up\n"] + [f"- {n}" for n in runner.notes]
-    md += [f"- traces: " + ", ".join(f"{t.name} (mean {t.mean_bps / 1e6:.1f} Mbit/s"
+    md += ["- traces: " + ", ".join(f"{t.name} (mean {t.mean_bps / 1e6:.1f} Mbit/s"
                                      f"{', synthetic' if t.synthetic else ''})" for t in traces)]
     md += [f"- lost frames (no stats within the driver's timeout): {len(lost)}", "",
            "## Results (medians unless p95; fps = frames / span, closed loop)\n",

@@ -142,16 +142,21 @@ def pointcloud2_to_xyzi(msg: PointCloud2) -> np.ndarray:
     return out
 
 
+def columns_to_pointcloud2(header, columns) -> PointCloud2:
+    """PointCloud2 with one float32 field per ``(name, N-array)`` column, in order."""
+    n = len(columns[0][1])
+    arr = np.zeros(n, dtype=[(name, "<f4") for name, _ in columns])
+    for name, values in columns:
+        arr[name] = values
+    step = 4 * len(columns)
+    fields = [PointField(name=name, offset=4 * i, datatype=PointField.FLOAT32, count=1)
+              for i, (name, _) in enumerate(columns)]
+    return PointCloud2(header=header, height=1, width=n, fields=fields, is_bigendian=False,
+                       point_step=step, row_step=step * n, data=arr.tobytes(), is_dense=True)
+
+
 def xyzi_to_pointcloud2(points: np.ndarray, header, extra_fields=()) -> PointCloud2:
     """N x 4 float32 points (plus optional (name, N-array float32) fields) -> PointCloud2."""
     cols = [("x", points[:, 0]), ("y", points[:, 1]), ("z", points[:, 2]),
             ("intensity", points[:, 3] if points.shape[1] > 3 else np.zeros(len(points)))]
-    cols += list(extra_fields)
-    arr = np.zeros(len(points), dtype=[(name, "<f4") for name, _ in cols])
-    for name, values in cols:
-        arr[name] = values
-    fields = [PointField(name=name, offset=4 * i, datatype=PointField.FLOAT32, count=1)
-              for i, (name, _) in enumerate(cols)]
-    return PointCloud2(header=header, height=1, width=len(points), fields=fields, is_bigendian=False,
-                       point_step=4 * len(cols), row_step=4 * len(cols) * len(points),
-                       data=arr.tobytes(), is_dense=True)
+    return columns_to_pointcloud2(header, cols + list(extra_fields))

@@ -1,0 +1,162 @@
+"""AGRNav application, pure part: voxel centres are the exact inverse of ``voxelize``
+(hand-computed centres, axis order, round trips), occupied-voxel extraction, and the moving
+synthetic LiDAR."""
+
+import numpy as np
+import pytest
+import torch
+
+from robot_offload.apps.occupancy import (LidarConfig, OccupancyConfig, SyntheticSweeps, occupied_voxels,
+                                          voxel_centres, voxel_size)
+from robot_offload.errors import ConfigError
+from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene, voxelize
+
+DEFAULT = (128, 128, 16)  # X, Y, Z: 0.2 m voxels on every axis over the default extent
+ODD = (32, 16, 8)         # 0.8 m forward, 1.6 m lateral, 0.4 m vertical
+
+
+def all_indices(grid):
+    nx, ny, nz = grid
+    return np.argwhere(np.ones((nz, nx, ny), dtype=bool))  # (z, x, y) rows
+
+
+@pytest.mark.parametrize("grid, zxy, xyz", [
+    (DEFAULT, (0, 0, 0), (0.1, -12.7, -1.9)),          # first voxel: lower corner + half a voxel
+    (DEFAULT, (15, 127, 127), (25.5, 12.7, 1.1)),      # last voxel
+    (DEFAULT, (9, 10, 64), (2.1, 0.1, -0.1)),
+    (ODD, (2, 3, 5), (2.8, -4.0, -1.0)),               # z=2 -> -2 + 2.5*0.4; x=3 -> 3.5*0.8; y=5 -> -12.8 + 5.5*1.6
+    (ODD, (7, 31, 0), (25.2, -12.0, 1.0)),
+])
+def test_voxel_centres_hand_computed(grid, zxy, xyz):
+    np.testing.assert_allclose(voxel_centres(np.array([zxy]), grid), [xyz], atol=1e-9)
+
+
+def test_voxel_size():
+    np.testing.assert_allclose(voxel_size(DEFAULT), [0.2, 0.2, 0.2])
+    np.testing.assert_allclose(voxel_size(ODD), [0.8, 1.6, 0.4])
+    np.testing.assert_allclose(voxel_size((4, 4, 4), ((0, 4), (0, 8), (-1, 1))), [1.0, 2.0, 0.5])
+
+
+def test_axis_order_matches_voxelize():
+    # One voxel set at tensor index [0, z=2, x=3, y=5] of a Z x X x Y = 8 x 32 x 16 grid ...
+    occ = torch.full((1, 8, 32, 16), -5.0)
+    occ[0, 2, 3, 5] = 3.0
+    labels = torch.zeros((1, 8, 32, 16), dtype=torch.uint8)
+    labels[0, 2, 3, 5] = 7
+    xyz, lab = occupied_voxels({"occupancy": occ, "labels": labels})
+    # ... is the point x=2.8 m forward, y=-4.0 m lateral, z=-1.0 m up ...
+    np.testing.assert_allclose(xyz, [[2.8, -4.0, -1.0]], atol=1e-6)
+    assert xyz.dtype == np.float32 and lab.dtype == np.float32 and lab.tolist() == [7.0]
+    # ... and voxelize puts that point back at the same tensor index.
+    grid = voxelize(xyz, grid=ODD)
+    assert grid.shape == (1, 8, 32, 16) and grid.sum() == 1 and grid[0, 2, 3, 5] == 1
+
+
+@pytest.mark.parametrize("grid", [DEFAULT, ODD, (32, 32, 16), (8, 24, 3)])
+def test_round_trip_every_voxel(grid):
+    centres = voxel_centres(all_indices(grid), grid)
+    for dtype in (np.float64, np.float32):  # float32: what the published cloud carries
+        occ = voxelize(centres.astype(dtype), grid=grid)
+        assert torch.all(occ == 1), f"{dtype}: {int((occ == 0).sum())} voxels lost"
+
+
+def test_round_trip_subset_and_custom_extent():
+    rng = np.random.default_rng(0)
+    grid, extent = (40, 24, 10), ((-5.0, 15.0), (-3.0, 9.0), (0.0, 2.5))
+    want = torch.from_numpy(rng.random((1, 10, 40, 24)) < 0.1).float()
+    xyz, _ = occupied_voxels({"occupancy": want * 2 - 1, "labels": torch.zeros_like(want, dtype=torch.uint8)},
+                             extent=extent)
+    assert len(xyz) == int(want.sum())
+    assert torch.equal(voxelize(xyz, grid=grid, extent=extent), want)
+
+
+def test_points_land_within_half_a_voxel_of_their_centre():
+    rng = np.random.default_rng(1)
+    lo, hi = np.array(DEFAULT_EXTENT).T
+    pts = (lo + rng.random((300, 3)) * (hi - lo)).astype(np.float32)
+    occ = voxelize(pts, grid=ODD)
+    centres, _ = occupied_voxels({"occupancy": occ * 2 - 1, "labels": torch.zeros_like(occ, dtype=torch.uint8)})
+    half = voxel_size(ODD) / 2 + 1e-5
+    inside = np.all(np.abs(pts[:, None, :] - centres[None, :, :]) <= half, axis=2)
+    assert np.all(inside.sum(axis=1) == 1), "every point lies in exactly one occupied voxel"
+
+
+def test_threshold_is_strict_and_labels_follow():
+    occ = torch.tensor([0.0, 0.5, -1.0, 2.0, 1e-6, -1e-6, 0.0, 3.0]).repeat(4).reshape(1, 1, 8, 4)  # Z=1, X=8, Y=4
+    labels = torch.arange(32, dtype=torch.uint8).reshape(1, 1, 8, 4)
+    xyz, lab = occupied_voxels({"occupancy": occ, "labels": labels}, threshold_logit=0.0,
+                               extent=((0, 8), (0, 4), (0, 1)))
+    keep = (occ[0, 0] > 0).numpy()
+    assert len(xyz) == keep.sum()
+    np.testing.assert_array_equal(lab, labels[0, 0].numpy()[keep].astype(np.float32))
+    ix, iy = np.nonzero(keep)
+    np.testing.assert_allclose(xyz, np.c_[ix + 0.5, iy + 0.5, np.full(len(ix), 0.5)])
+    assert len(occupied_voxels({"occupancy": occ, "labels": labels}, threshold_logit=0.5)[0]) == (occ > 0.5).sum()
+
+
+def test_empty_result_gives_no_points():
+    occ = torch.full((1, 16, 32, 32), -1.0)
+    xyz, lab = occupied_voxels({"occupancy": occ, "labels": torch.zeros_like(occ, dtype=torch.uint8)})
+    assert xyz.shape == (0, 3) and lab.shape == (0,)
+
+
+def test_agrnav_output_end_to_end():
+    from robot_offload.models.registry import get_spec
+    spec = get_spec("agrnav")
+    out = spec.build()(spec.example_input((32, 32, 16)))
+    xyz, lab = occupied_voxels(out)
+    assert len(xyz) == int((out["occupancy"] > 0).sum()) and np.all((lab >= 0) & (lab < 20))
+    assert torch.equal(voxelize(xyz, grid=(32, 32, 16)), (out["occupancy"] > 0).float())
+
+
+@pytest.mark.parametrize("outputs, match", [
+    ({"occupancy": torch.zeros(1, 2, 8, 8)}, "labels"),
+    ([torch.zeros(1, 2, 8, 8)], "occupancy"),
+    ({"occupancy": torch.zeros(2, 2, 8, 8), "labels": torch.zeros(2, 2, 8, 8)}, "batch"),
+    ({"occupancy": torch.zeros(1, 2, 8, 8), "labels": torch.zeros(1, 2, 8, 4)}, "shape"),
+    ({"occupancy": torch.zeros(8, 8), "labels": torch.zeros(8, 8)}, "Z x X x Y"),
+])
+def test_malformed_results_are_refused(outputs, match):
+    with pytest.raises(ValueError, match=match):
+        occupied_voxels(outputs)
+
+
+def test_configured_grid_must_match_and_config_validates():
+    out = {"occupancy": torch.zeros(1, 16, 32, 32), "labels": torch.zeros(1, 16, 32, 32, dtype=torch.uint8)}
+    occupied_voxels(out, grid=(32, 32, 16))
+    with pytest.raises(ValueError, match="grid"):
+        occupied_voxels(out, grid=(128, 128, 16))
+    cfg = OccupancyConfig(extent=([0, 25.6], [-12.8, 12.8], [-2, 1.2]), grid=(32, 32, 16)).validate()
+    assert cfg.extent == DEFAULT_EXTENT and cfg.grid == (32, 32, 16)
+    assert OccupancyConfig().validate().extent == DEFAULT_EXTENT
+    for bad in (dict(extent=((0, 1), (0, 1))), dict(extent=((1, 0), (0, 1), (0, 1))),
+                dict(grid=(32, 32)), dict(grid=(0, 8, 8)), dict(threshold_logit=float("nan"))):
+        with pytest.raises(ConfigError):
+            OccupancyConfig(**bad).validate()
+    with pytest.raises(ValueError, match="outside"):
+        voxel_centres(np.array([[16, 0, 0]]), (32, 32, 16))
+
+
+def test_synthetic_sweeps_move_obstacles_deterministically():
+    cfg = LidarConfig(seed=3, n_points=5000, rate_hz=10.0, amplitude_m=2.0, period_s=8.0)
+    a, b = SyntheticSweeps(cfg), SyntheticSweeps(cfg)
+    first = a.read()
+    assert first.dtype == np.float32 and first.shape == (5000, 4)
+    np.testing.assert_array_equal(first, synthetic_scene(3, 5000))  # sweep 0 = the scene as generated
+    for _ in range(19):
+        a.read()
+    quarter = a.read()  # sweep 20 at 10 Hz: t = 2 s, a quarter of the 8 s period
+    np.testing.assert_array_equal(quarter, b.sweep(20))  # by index, not by wall clock
+    moving = a.moving
+    assert 0.3 < moving.mean() < 0.6  # boxes, poles and vegetation above a ~half-ground scene
+    np.testing.assert_array_equal(quarter[~moving], first[~moving])  # the ground stays
+    np.testing.assert_allclose(quarter[moving, 1] - first[moving, 1], 2.0, atol=1e-5)
+    np.testing.assert_allclose(quarter[moving, 0] - first[moving, 0], 0.0, atol=1e-5)
+    np.testing.assert_array_equal(quarter[:, 2:], first[:, 2:])
+    assert not torch.equal(voxelize(quarter, grid=(32, 32, 16)), voxelize(first, grid=(32, 32, 16)))
+
+
+def test_lidar_config_refusals():
+    for bad in (dict(source="/dev/velodyne"), dict(rate_hz=0), dict(period_s=-1), dict(n_points=-5)):
+        with pytest.raises(ConfigError):
+            LidarConfig(**bad).validate()
