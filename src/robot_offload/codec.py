@@ -12,7 +12,9 @@ Wire format (one :class:`EncodedTensor`, mirrored by ``msg/Tensor.msg``):
   element ``i`` occupies bits ``i*b .. i*b+b-1`` of the payload (least significant bit
   first), so ``ceil(numel * b / 8)`` bytes; unused bits of the last byte are zero.
 
-Compression, after the codec:
+Compression, after the codec (the encoder falls back to ``none`` when compressing would
+not make the payload smaller, so a compressed tensor never costs more than an uncompressed
+one; ``compression`` always says what is on the wire):
 
 * ``none``.
 * ``zstd``.
@@ -205,10 +207,15 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
     else:
         payload = _to_bytes(t)
     raw_size = len(payload)
+    shuffled = payload
     if compression == "bitshuffle_zstd" and payload:
-        payload = _bitshuffle(payload, t.numel(), _element_bits(dtype, codec))
+        shuffled = _bitshuffle(payload, t.numel(), _element_bits(dtype, codec))
     if compression in ("zstd", "bitshuffle_zstd"):
-        payload = _zstd().ZstdCompressor(level=zstd_level).compress(payload)
+        packed = _zstd().ZstdCompressor(level=zstd_level).compress(shuffled)
+        if len(packed) < raw_size:
+            payload = packed
+        else:   # incompressible (noise): send it uncompressed, never larger than raw
+            compression = "none"
     return EncodedTensor(name=name, dtype=dtype, shape=[int(s) for s in t.shape], codec=codec,
                          compression=compression, scale=float(scale), zero_point=zero_point,
                          raw_size=raw_size, data=payload)

@@ -254,3 +254,7 @@ def _forward(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) ->
     return ComputeResponse(status=StatusCode.OK, tensors=tensors, structure_json=spec,
                            result_json=json.dumps({"input_shape": list(x.shape)}),
                            server_compute_s=compute_s)
+
+
+# Executors of other modules register themselves on import (kept last: they import this module).
+from robot_offload.partition import executor as _partition_executor  # noqa: E402,F401

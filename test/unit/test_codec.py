@@ -149,8 +149,120 @@ def test_decode_refuses_bad_int8_parameters_and_lossy_integer_dtypes():
 
 def test_encode_refuses_unknown_names():
     with pytest.raises(CodecError):
-        encode(torch.zeros(1), codec="int3")
+        encode(torch.zeros(1), codec="int9")
+    with pytest.raises(CodecError):
+        encode(torch.zeros(1), codec="int1")
     with pytest.raises(CodecError):
         encode(torch.zeros(1), compression="lzma")
     with pytest.raises(CodecError):
         encode(torch.zeros(1, dtype=torch.complex64))
+
+
+# --- lower bit widths and bit shuffling -----------------------------------------------
+LOW_BITS = [c for c in codec.INT_BITS if c != "int8"]
+
+
+@pytest.mark.parametrize("name", list(codec.INT_BITS))
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, codec.BIT_BLOCK + 5])
+def test_int_codecs_pack_densely_and_bound_the_error(name, n):
+    bits = codec.INT_BITS[name]
+    x = torch.randn(n) * 3 + 1
+    enc = encode(x, codec=name)
+    assert enc.raw_size == enc.nbytes == (n * bits + 7) // 8
+    y = decode(enc)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert (y - x).abs().max() <= codec.tolerance(enc)
+    assert 0 <= enc.zero_point <= (1 << bits) - 1
+    assert codec.RTOL[name] == 0.0
+
+
+@pytest.mark.parametrize("name", LOW_BITS)
+def test_low_bit_codecs_keep_zero_exact(name):
+    x = torch.relu(torch.randn(4, 8, 5))
+    y = decode(encode(x, codec=name, compression="zstd"))
+    assert torch.all(y[x == 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitshuffle_round_trip_is_exact_for_raw(dtype):
+    x = _sample(dtype, shape=(3, codec.BIT_BLOCK // 3 + 11))
+    enc = encode(x, codec="raw", compression="bitshuffle_zstd")
+    assert enc.raw_size == x.numel() * x.element_size()
+    assert torch.equal(decode(enc), x)
+
+
+@pytest.mark.parametrize("name", ["float16"] + list(codec.INT_BITS))
+@pytest.mark.parametrize("shape", [(1,), (13,), (2, 3, 5), (codec.BIT_BLOCK + 3,)])
+def test_bitshuffle_changes_nothing_but_the_size(name, shape):
+    x = torch.relu(torch.randn(shape))
+    plain = decode(encode(x, codec=name))
+    enc = encode(x, codec=name, compression="bitshuffle_zstd")
+    assert enc.raw_size == encode(x, codec=name).raw_size
+    assert torch.equal(decode(enc), plain)
+
+
+def test_bitshuffle_groups_bit_planes():
+    # Small integers in float32: the high bit planes are constant, so shuffled zstd wins.
+    x = torch.randint(0, 4, (50000,)).float()
+    plain = encode(x, compression="zstd").nbytes
+    shuffled = encode(x, compression="bitshuffle_zstd").nbytes
+    assert shuffled < plain
+
+
+def test_empty_tensor_with_every_codec_and_compression():
+    for name in codec.CODECS:
+        for comp in codec.COMPRESSIONS:
+            x = torch.zeros(0, 3)
+            assert decode(encode(x, codec=name, compression=comp)).shape == (0, 3)
+
+
+def _set(enc, **kw):
+    return EncodedTensor(**{**enc.__dict__, **kw})
+
+
+@pytest.mark.parametrize("name", LOW_BITS)
+def test_decode_refuses_bad_low_bit_parameters(name):
+    levels = (1 << codec.INT_BITS[name]) - 1
+    enc = encode(torch.randn(10), codec=name)
+    for scale, zp in ((0.0, 0), (float("inf"), 0), (1.0, levels + 1), (1.0, -1)):
+        with pytest.raises(CodecError, match=name):
+            decode(_set(enc, scale=scale, zero_point=zp))
+    with pytest.raises(CodecError, match="does not match"):
+        decode(_set(enc, raw_size=enc.raw_size + 1))
+    with pytest.raises(CodecError, match="does not match"):
+        decode(_set(enc, shape=[20]))
+
+
+def test_decode_refuses_nonzero_padding_bits():
+    enc = encode(torch.randn(3), codec="int3")       # 9 bits in 2 bytes: 7 padding bits
+    data = bytearray(enc.data)
+    data[-1] |= 0x80
+    with pytest.raises(CodecError, match="padding"):
+        decode(_set(enc, data=bytes(data)))
+    import zstandard
+    enc = encode(torch.zeros(1001), codec="int3", compression="bitshuffle_zstd")  # 3003 bits
+    assert enc.compression == "bitshuffle_zstd" and enc.raw_size == 376
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(enc.data, max_output_size=376))
+    raw[-1] |= 0x80
+    bad = _set(enc, data=zstandard.ZstdCompressor().compress(bytes(raw)))
+    with pytest.raises(CodecError, match="padding"):
+        decode(bad)
+
+
+def test_decode_bounds_the_decoded_size_not_only_the_payload():
+    # 2 bits per element on the wire, 32 decoded: refused by the decoded size.
+    enc = EncodedTensor(name="x", dtype="float32", shape=[1 << 20], codec="int2", scale=1.0,
+                        raw_size=1 << 18, data=b"\x00" * (1 << 18))
+    with pytest.raises(PayloadTooLarge):
+        decode(enc, max_bytes=1 << 20)
+    assert decode(enc, max_bytes=4 << 20).shape == (1 << 20,)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "bitshuffle_zstd"])
+def test_incompressible_payloads_go_uncompressed(compression):
+    x = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
+    enc = encode(x, compression=compression)
+    assert enc.compression == "none" and enc.nbytes == enc.raw_size == 4096
+    assert torch.equal(decode(enc), x)
+    small = encode(torch.randn(3), compression=compression)
+    assert small.compression == "none" and small.nbytes == 12

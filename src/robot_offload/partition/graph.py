@@ -28,6 +28,7 @@ Cuts
 """
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
@@ -153,7 +154,10 @@ def capture(model: nn.Module, leaf_modules: Sequence = None, fallback: bool = Tr
 
 
 class ModelGraph:
-    """An fx graph with node kinds, cut construction and head / tail modules."""
+    """An fx graph with node kinds, cut construction and head / tail modules (the latter
+    cached, least recently used first out, :attr:`max_cached_modules` of them)."""
+
+    max_cached_modules = 64
 
     def __init__(self, gm: torch.fx.GraphModule, traced: bool = True, trace_error: str = ""):
         self.gm = gm
@@ -173,7 +177,7 @@ class ModelGraph:
         self.order: Tuple[str, ...] = tuple(n.name for n in self.nodes
                                             if self.kinds[n.name] == "data" and n.op != "placeholder")
         self._lock = threading.Lock()
-        self._modules: Dict[Tuple[str, Tuple[str, ...]], torch.fx.GraphModule] = {}
+        self._modules: "OrderedDict[Tuple[str, Tuple[str, ...]], torch.fx.GraphModule]" = OrderedDict()
 
     # -- node kinds -----------------------------------------------------------------------
     def _kind(self, n: torch.fx.Node) -> str:
@@ -196,9 +200,8 @@ class ModelGraph:
         return self.kinds.get(name) in ("input", "data")
 
     # -- recording ------------------------------------------------------------------------
-    def record(self, x: torch.Tensor) -> Dict[str, TensorMeta]:
-        """Run the graph on ``x`` and return every node's :class:`TensorMeta` (plus the
-        output under the key ``"output"``'s value in :attr:`last_output`)."""
+    def record(self, x: torch.Tensor) -> Tuple[Dict[str, TensorMeta], Any]:
+        """Run the graph on ``x``; returns every node's :class:`TensorMeta` and the output."""
         metas: Dict[str, TensorMeta] = {}
         graph = self
 
@@ -209,8 +212,8 @@ class ModelGraph:
                 return v
 
         with torch.inference_mode():
-            self.last_output = _Rec(self.gm).run(x)
-        return metas
+            out = _Rec(self.gm).run(x)
+        return metas, out
 
     def _meta(self, n: torch.fx.Node, v: Any) -> TensorMeta:
         if isinstance(v, torch.Tensor):
@@ -276,7 +279,8 @@ class ModelGraph:
         head = self._head_closure(ordered)
         overlap = head & tail
         if overlap:
-            raise CutError(f"the cut does not separate the graph: {sorted(overlap)[:4]} would run on both sides")
+            raise CutError(f"the cut does not separate the graph: {sorted(overlap)[:4]} would run "
+                           f"on both sides")
         if ordered == self.inputs:
             kind = INPUT_CUT
         elif not tail:
@@ -322,7 +326,8 @@ class ModelGraph:
             crossing = []
             for name in list(live):
                 users = tail_users[name]
-                if any((u not in head and self.kinds[u] == "data") or u == self.output_node.name for u in users):
+                if any((u not in head and self.kinds[u] == "data") or u == self.output_node.name
+                       for u in users):
                     crossing.append(name)
                 else:
                     del live[name]           # never needed again
@@ -346,9 +351,9 @@ class ModelGraph:
     def head_module(self, cut: Cut) -> torch.fx.GraphModule:
         """``x -> tuple(crossing tensors)``, sharing parameters with the model."""
         key = ("head", cut.crossing)
-        with self._lock:
-            if key in self._modules:
-                return self._modules[key]
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
         needed, stack = set(), list(cut.crossing)
         while stack:
             name = stack.pop()
@@ -366,9 +371,9 @@ class ModelGraph:
     def tail_module(self, cut: Cut) -> torch.fx.GraphModule:
         """``(*crossing tensors, *static values) -> model output``, sharing parameters."""
         key = ("tail", cut.crossing)
-        with self._lock:
-            if key in self._modules:
-                return self._modules[key]
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
         g = torch.fx.Graph()
         env: Dict[str, torch.fx.Node] = {}
         for name in cut.crossing + cut.statics:
@@ -390,11 +395,22 @@ class ModelGraph:
         g.output(out_arg)
         return self._finish(key, g)
 
+    def _cached(self, key):
+        with self._lock:
+            gm = self._modules.get(key)
+            if gm is not None:
+                self._modules.move_to_end(key)
+            return gm
+
     def _finish(self, key, g: torch.fx.Graph) -> torch.fx.GraphModule:
         g.lint()
         gm = torch.fx.GraphModule(self.gm, g, f"{type(self.gm).__name__}_{key[0]}")
         with self._lock:
-            return self._modules.setdefault(key, gm)
+            gm = self._modules.setdefault(key, gm)
+            self._modules.move_to_end(key)
+            while len(self._modules) > self.max_cached_modules:
+                self._modules.popitem(last=False)
+            return gm
 
     def static_values(self, cut: Cut, metas: Dict[str, TensorMeta]) -> List[Any]:
         """The values of ``cut.statics`` from a record at the same input shape."""

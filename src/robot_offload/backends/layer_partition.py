@@ -1,0 +1,252 @@
+"""``layer_partition``: the robot runs the head of the model up to a cut, the server the tail
+(Neurosurgeon / DSCCS), with the cut and the activation encoding chosen together per
+predicted bandwidth (DynO): see :mod:`robot_offload.partition`.
+
+Per input shape the backend loads (or measures, then caches) a profile, builds the plan
+table for every bandwidth bucket, and per frame looks up the plan for the predicted
+bandwidth (``stats.predicted_bandwidth_bps``, or ``bandwidth_bps_default`` without one).
+
+* the ``input`` cut sends the (encoded) input to the server's ``forward`` entry (full
+  offload, any model);
+* the ``output`` cut runs the whole model here (local);
+* an inner cut runs the head here, encodes the crossing tensors (named by their graph
+  nodes) and sends them to the server's ``partition_tail`` entry, which runs the tail of
+  its own copy of the model.
+
+Measured robot head times and the server's reported tail times are compared with the
+profile (DynO's scaling factor); when they drift by more than ``replan_threshold`` the
+plans are rebuilt with the new factors, and the measured server tail times are kept in the
+profile (saved when the backend closes).
+"""
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from robot_offload import codec, structure
+from robot_offload.backends.base import Backend, register_backend
+from robot_offload.errors import CodecError
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
+from robot_offload.partition.planner import DriftTracker, Plan, PlannerConfig, PlanTable, predict
+from robot_offload.partition.profile import (DEFAULT_CODECS, DEFAULT_COMPRESSIONS, Profile,
+                                             load_or_build)
+from robot_offload.protocol import ComputeRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _ShapeState:
+    profile: Profile
+    cfg: PlannerConfig
+    table: PlanTable
+    tracker: DriftTracker
+
+
+@register_backend
+class LayerPartitionBackend(Backend):
+    name = "layer_partition"
+    needs_server = True
+
+    #: calibration inputs (deterministic synthetic frames of the input's shape) per profile
+    calibration_inputs = 4
+    #: timed runs per profile
+    profile_repeats = 3
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.graph: ModelGraph = capture(ctx.model)
+        if not self.graph.traced:
+            log.info("%s: torch.fx cannot trace it (%s); layer_partition uses the input and "
+                     "output cuts only", ctx.spec.name, self.graph.trace_error)
+        self._states: Dict[Tuple[int, ...], _ShapeState] = {}
+        self._cuts: Dict[Tuple[str, ...], Cut] = {}
+        self.replans = 0
+        self._refresh = bool(getattr(ctx.config, "profile_refresh", False))
+        self._fresh: set = set()       # shapes measured afresh since the last refresh request
+
+    # -- profiles and plans -------------------------------------------------------------
+    def planner_config(self) -> PlannerConfig:
+        c = self.ctx.config
+        return PlannerConfig(objective=c.objective, error_tolerance=c.error_tolerance,
+                             server_speedup=c.server_speedup, rtt_s=c.rtt_s,
+                             compute_w=c.compute_w, transmit_w=c.transmit_w, idle_w=c.idle_w,
+                             output_codec=c.output_codec).validate()
+
+    def state(self, x: torch.Tensor) -> _ShapeState:
+        """Profile and plan table for ``x``'s shape (measured on first use)."""
+        shape = tuple(int(s) for s in x.shape)
+        st = self._states.get(shape)
+        if st is None:
+            c = self.ctx.config
+            kw = dict(codecs=tuple(c.partition_codecs) or DEFAULT_CODECS,
+                      compressions=tuple(c.partition_compressions) or DEFAULT_COMPRESSIONS,
+                      repeats=self.profile_repeats)
+            args = (c.profile_dir, self.graph, self.ctx.spec.name, self._weights_hash(),
+                    self._calibration(x))
+            profile = load_or_build(*args, refresh=self._refresh and shape not in self._fresh, **kw)
+            self._fresh.add(shape)
+            if not self._cuts_exist(profile):
+                log.warning("the cached profile names cuts this graph does not have; measuring again")
+                profile = load_or_build(*args, refresh=True, **kw)
+            cfg = self.planner_config()
+            st = _ShapeState(profile, cfg, PlanTable(profile, cfg),
+                             DriftTracker(threshold=c.replan_threshold))
+            self._states[shape] = st
+        return st
+
+    def _cuts_exist(self, profile: Profile) -> bool:
+        try:
+            for c in profile.candidates:
+                if c.kind != OUTPUT_CUT:
+                    self.graph.cut(c.crossing)
+        except CutError:
+            return False
+        return True
+
+    def refresh_profile(self) -> None:
+        """Measure the profiles again (from the next frame on), ignoring the cache."""
+        self._states.clear()
+        self._fresh.clear()
+        self._refresh = True
+
+    def _weights_hash(self) -> str:
+        link = self.ctx.link
+        if link is not None and link.weights_hash:
+            return link.weights_hash
+        from robot_offload.models import weights_hash
+        return weights_hash(self.ctx.model)
+
+    def _calibration(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """Deterministic synthetic inputs of ``x``'s shape (the frame itself if the registry
+        cannot make that shape, e.g. batches)."""
+        spec = self.ctx.spec
+        try:
+            if spec.input_kind == "image":
+                size = tuple(x.shape[2:])
+            else:
+                size = (int(x.shape[2]), int(x.shape[3]), int(x.shape[1]))
+            xs = [spec.example_input(size, seed=1000 + i) for i in range(self.calibration_inputs)]
+        except Exception:  # noqa: BLE001 - any shape the registry cannot synthesise
+            xs = []
+        if not xs or any(tuple(t.shape) != tuple(x.shape) or t.dtype != x.dtype for t in xs):
+            xs = [x.detach().clone()]
+        return xs
+
+    def _replan(self, st: _ShapeState) -> None:
+        st.tracker.accept()
+        st.cfg = st.tracker.apply(st.cfg)
+        st.table = PlanTable(st.profile, st.cfg)
+        self.replans += 1
+        log.info("layer_partition re-planned (robot x%.2f, server x%.2f)", st.cfg.robot_load,
+                 st.cfg.server_load)
+
+    def cut_of(self, plan: Plan) -> Cut:
+        c = self._cuts.get(plan.crossing)
+        if c is None:
+            c = self._cuts[plan.crossing] = (self.graph.output_cut() if plan.kind == OUTPUT_CUT
+                                             else self.graph.cut(plan.crossing))
+        return c
+
+    # -- inference ------------------------------------------------------------------------
+    def infer(self, x, stats, timeout_s):
+        st = self.state(x)
+        bw = stats.predicted_bandwidth_bps
+        if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
+            bw = self.ctx.config.bandwidth_bps_default
+        return self.run_plan(x, st.table.lookup(bw), stats, timeout_s, bw)
+
+    def run_plan(self, x: torch.Tensor, plan: Plan, stats, timeout_s: float,
+                 bandwidth_bps: Optional[float] = None):
+        """Run one frame with ``plan`` (from this backend's table or any other plan of the
+        same profile): fills ``stats`` and returns the outputs."""
+        st = self.state(x)
+        bw = bandwidth_bps or plan.bandwidth_bps
+        cut_prof = st.profile.cut(plan.cut_id)
+        pred = predict(st.profile, cut_prof, plan.encoding, bw, st.cfg)
+        stats.plan = plan.describe()
+        stats.predicted_latency_s = pred.latency_s
+        t0 = time.perf_counter()
+        if plan.kind == OUTPUT_CUT:
+            with torch.inference_mode():
+                y = self.ctx.model(x)
+            t1 = time.perf_counter()
+            stats.add_compute(t0, t1)
+            server_s = None
+            if st.tracker.observe("robot", st.profile.forward_s, t1 - t0):
+                self._replan(st)
+        else:
+            y, t1, server_s = self._offload(x, plan, st, stats, timeout_s, t0)
+        stats.extra["partition"] = {
+            "cut": plan.label, "codec": plan.codec,
+            "compression": plan.compression, "bandwidth_bps": bw,
+            "predicted_s": pred.latency_s, "predicted_energy_j": pred.energy_j,
+            "predicted_bytes_up": pred.bytes_up, "actual_s": time.perf_counter() - t0,
+            "server_compute_s": server_s, "replans": self.replans}
+        return y
+
+    def _offload(self, x, plan: Plan, st: _ShapeState, stats, timeout_s: float, t0: float):
+        link = self.ctx.link
+        cfg = self.ctx.config
+        cut_prof = st.profile.cut(plan.cut_id)
+        if plan.kind == INPUT_CUT:
+            names, tensors = ["input"], [x]
+            t_head = t0
+            entry, args = "forward", "{}"
+        else:
+            cut = self.cut_of(plan)
+            with torch.inference_mode():
+                tensors = list(self.graph.head_module(cut)(x))
+            t_head = time.perf_counter()
+            names = list(cut.crossing)
+            entry = "partition_tail"
+            args = _json({"cut": names, "input_shape": [int(s) for s in x.shape]})
+        encoded = [_encode(t, n, plan.codec, plan.compression) for n, t in zip(names, tensors)]
+        request = ComputeRequest(client_id=link.client_id, model=link.model, entry=entry,
+                                 tensors=encoded, args_json=args, output_codec=cfg.output_codec,
+                                 output_compression=cfg.compression)
+        t1 = time.perf_counter()
+        response = link.compute(request, timeout_s - (t1 - t0))
+        t2 = time.perf_counter()
+        y = structure.unflatten([codec.decode(t) for t in response.tensors], response.structure_json)
+        t3 = time.perf_counter()
+        server_s = response.server_compute_s
+        stats.add_compute(t0, t1)
+        stats.add_call(t1, t2, response.server_total_s or server_s, request.payload_bytes,
+                       response.payload_bytes)
+        stats.add_compute(t2, t3)
+        # DynO's run-time profiler: robot head and server tail against the profile.
+        st.profile.record_server_tail(plan.cut_id, server_s, device=link.device)
+        drift = False
+        if plan.kind != INPUT_CUT:
+            drift |= st.tracker.observe("robot", cut_prof.head_s, t_head - t0)
+        drift |= st.tracker.observe("server", cut_prof.tail_s / st.cfg.server_speedup, server_s)
+        if drift:
+            self._replan(st)
+        return y, t1, server_s
+
+    def close(self) -> None:
+        """Keep what was measured on the server: save the profiles."""
+        for st in self._states.values():
+            try:
+                st.profile.save(self.ctx.config.profile_dir)
+            except OSError as e:
+                log.warning("could not save the profile: %s", e)
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _encode(t: torch.Tensor, name: str, codec_name: str, compression: str):
+    """Encode with the plan's codec; a tensor that codec cannot represent (float16 overflow,
+    non-finite values for an integer codec) goes raw, which is lossless."""
+    try:
+        return codec.encode(t, name, codec_name, compression)
+    except CodecError:
+        return codec.encode(t, name, "raw", compression)

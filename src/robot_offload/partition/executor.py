@@ -1,0 +1,211 @@
+"""Server side of layer partitioning: the ``partition_tail`` compute entry.
+
+Request: ``ComputeRequest(entry="partition_tail", args_json=..., tensors=[...])`` with
+
+* ``args_json`` = ``{"cut": <cut id | [node names]>, "input_shape": [N, C, H, W]}`` and no
+  other key. The cut is the set of crossing tensors (fx node names of the model's graph;
+  a cut id is the same names joined by commas, or ``"input"``), ``input_shape`` the shape
+  of the robot's model input (it fixes every tensor shape and every shape value of the
+  graph);
+* ``tensors``: exactly the crossing tensors, each named by its node, with the shape and
+  dtype the model produces there for that input shape.
+
+The server captures the fx graph of *its own* registry model (the one it built and whose
+weights hash the client agreed to), caches the tail module of each cut, runs the tail on
+the decoded tensors and answers with the outputs (``OffloadServer.encode_outputs``). Shape
+values the tail needs (``x.shape`` read at the input, say) come from the server's own run
+of the model on zeros of ``input_shape`` (cached per shape), never from the request.
+Everything in the request is checked first; a bad one is answered with BAD_REQUEST.
+Nothing received is evaluated or unpickled: names are looked up in the graph, tensors go
+through the codec.
+"""
+
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+import torch
+
+from robot_offload import codec
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
+from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
+from robot_offload.server import LoadedModel, OffloadServer, RequestRejected, executor
+
+ENTRY = "partition_tail"
+ARG_KEYS = frozenset({"cut", "input_shape"})
+MAX_CUT_NAMES = 1024
+MAX_NAME_CHARS = 256
+MAX_DIMS = 8
+MAX_SHAPES = 4      # shape records kept per model (each costs one forward to make)
+MAX_CUTS = 64       # parsed cuts kept per model
+
+
+class _ModelState:
+    """Per loaded model: its graph, parsed cuts and shape records (LRU), one lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.graph = None
+        self.error = ""
+        self.cuts: "OrderedDict[Tuple[str, ...], Cut]" = OrderedDict()
+        self.records: "OrderedDict[Tuple[int, ...], Dict]" = OrderedDict()
+
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModelState]" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _bad(text: str) -> RequestRejected:
+    return RequestRejected(StatusCode.BAD_REQUEST, text)
+
+
+def _state(loaded: LoadedModel) -> _ModelState:
+    with _STATES_LOCK:
+        st = _STATES.get(loaded.module)
+        if st is None:
+            st = _STATES[loaded.module] = _ModelState()
+    return st
+
+
+def model_graph(loaded: LoadedModel) -> ModelGraph:
+    """The server's graph of ``loaded`` (captured once)."""
+    st = _state(loaded)
+    with st.lock:
+        if st.graph is None:
+            st.graph = capture(loaded.module)
+        return st.graph
+
+
+def parse_args(args_json: str, max_elements: int) -> Tuple[List[str], Tuple[int, ...]]:
+    """Validate ``args_json``; returns (crossing names, input shape)."""
+    if not isinstance(args_json, str) or len(args_json) > 1 << 20:
+        raise _bad("args_json must be a JSON string under 1 MiB")
+    try:
+        args = json.loads(args_json)
+    except ValueError as e:
+        raise _bad(f"args_json is not JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise _bad("args_json must be a JSON object")
+    unknown = set(args) - ARG_KEYS
+    if unknown:
+        raise _bad(f"unknown argument(s) {sorted(unknown)[:4]}; known: {sorted(ARG_KEYS)}")
+    if "cut" not in args or "input_shape" not in args:
+        raise _bad("partition_tail needs 'cut' and 'input_shape'")
+    cut = args["cut"]
+    if isinstance(cut, str):
+        cut = cut.split(",") if cut else []
+    if not isinstance(cut, list) or not cut or len(cut) > MAX_CUT_NAMES:
+        raise _bad(f"'cut' must be a cut id or a list of 1..{MAX_CUT_NAMES} node names")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS for n in cut):
+        raise _bad("'cut' names must be non-empty strings")
+    shape = args["input_shape"]
+    if not (isinstance(shape, list) and 1 <= len(shape) <= MAX_DIMS
+            and all(type(s) is int and 0 < s <= 1 << 30 for s in shape)):
+        raise _bad(f"'input_shape' must be a list of 1..{MAX_DIMS} positive ints")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel > max_elements:
+        raise RequestRejected(StatusCode.TOO_LARGE, f"input_shape {shape} has {numel} elements; "
+                              f"max_input_elements is {max_elements}")
+    return cut, tuple(shape)
+
+
+def _cut(st: _ModelState, graph: ModelGraph, names: List[str]) -> Cut:
+    key = tuple(names)
+    with st.lock:
+        cut = st.cuts.get(key)
+        if cut is not None:
+            st.cuts.move_to_end(key)
+            return cut
+    if names == [INPUT_CUT]:
+        names = list(graph.inputs)
+    try:
+        cut = graph.cut(names)
+    except CutError as e:
+        raise _bad(f"unknown or invalid cut: {e}") from None
+    if cut.kind == OUTPUT_CUT:
+        raise _bad("the output cut leaves nothing for the server to compute")
+    with st.lock:
+        st.cuts[key] = cut
+        while len(st.cuts) > MAX_CUTS:
+            st.cuts.popitem(last=False)
+    return cut
+
+
+def _record(st: _ModelState, graph: ModelGraph, loaded: LoadedModel, shape: Tuple[int, ...],
+            server: OffloadServer) -> Dict:
+    with st.lock:
+        rec = st.records.get(shape)
+        if rec is not None:
+            st.records.move_to_end(shape)
+            return rec
+        try:
+            rec, _ = graph.record(torch.zeros(shape, dtype=torch.float32, device=server.device))
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+            raise _bad(f"{loaded.name} rejects input_shape {list(shape)}: "
+                       f"{str(e).splitlines()[0][:300]}") from e
+        st.records[shape] = rec
+        while len(st.records) > MAX_SHAPES:
+            st.records.popitem(last=False)
+        return rec
+
+
+def check_tensors(req: ComputeRequest, cut: Cut, rec: Dict) -> List[int]:
+    """Names, shapes and dtypes of the request's tensors against the cut and the shape
+    record; returns, per crossing tensor, its index in ``req.tensors``."""
+    index = {}
+    for i, enc in enumerate(req.tensors):
+        if enc.name in index:
+            raise _bad(f"tensor {enc.name[:80]!r} sent twice")
+        index[enc.name] = i
+    missing = [n for n in cut.crossing if n not in index]
+    extra = [n for n in index if n not in cut.crossing]
+    if missing or extra:
+        raise _bad(f"the cut needs tensors {list(cut.crossing)[:8]}; missing {missing[:4]}, "
+                   f"unexpected {[e[:80] for e in extra[:4]]}")
+    for name in cut.crossing:
+        enc, meta = req.tensors[index[name]], rec[name]
+        if not meta.is_tensor:
+            raise _bad(f"node {name!r} is not a tensor")
+        if list(enc.shape) != list(meta.shape):
+            raise _bad(f"tensor {name!r} has shape {list(enc.shape)[:8]}; the model makes "
+                       f"{list(meta.shape)} there")
+        if enc.dtype != codec.dtype_name(meta.dtype):
+            raise _bad(f"tensor {name!r} has dtype {enc.dtype[:20]}; the model makes "
+                       f"{codec.dtype_name(meta.dtype)} there")
+    return [index[n] for n in cut.crossing]
+
+
+@executor(ENTRY)
+def partition_tail(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+    """Run the server part of a layer partition (see the module docstring)."""
+    names, shape = parse_args(req.args_json, server.config.max_input_elements)
+    st = _state(loaded)
+    graph = model_graph(loaded)
+    if not graph.traced and names != [INPUT_CUT] and tuple(names) != graph.inputs:
+        raise _bad(f"{loaded.name} has no inner cuts (torch.fx cannot trace it: {graph.trace_error})")
+    cut = _cut(st, graph, names)
+    rec = _record(st, graph, loaded, shape, server)
+    order = check_tensors(req, cut, rec)
+    decoded = server.decode_inputs(req)
+    tensors = [decoded[i] for i in order]
+    statics = graph.static_values(cut, rec)
+    tail = graph.tail_module(cut)
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            y = tail(*tensors, *statics)
+        server.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+        raise _bad(f"{loaded.name} tail of cut {cut.label} failed: {str(e).splitlines()[0][:300]}") from e
+    compute_s = time.perf_counter() - t0
+    out, spec = server.encode_outputs(y, req)
+    return ComputeResponse(status=StatusCode.OK, tensors=out, structure_json=spec,
+                           result_json=json.dumps({"cut": cut.label, "tail_nodes": len(cut.tail)}),
+                           server_compute_s=compute_s)

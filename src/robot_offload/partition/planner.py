@@ -1,0 +1,283 @@
+"""The layer-partition planner: per bandwidth bucket, the cut and the transfer encoding that
+minimise predicted latency or robot energy, subject to an output-error tolerance. Pure:
+it reads a :class:`~robot_offload.partition.profile.Profile` and does arithmetic.
+
+Latency model of one inference with cut ``c`` and encoding ``e`` at bandwidth ``B``::
+
+    head   = robot_load * head_s(c)                      robot computes the head
+    encode = robot_load * encode_s(c, e)                 robot quantises / shuffles / compresses
+    up     = bytes(c, e) * 8 / B                         crossing tensors go up
+    server = measured tail time of c on the server, else tail_s(c) / server_speedup * server_load
+    down   = output bytes * 8 / B                        outputs come down
+    latency = head + encode + up + rtt + server + down   (the output cut: robot_load * forward_s)
+
+Energy (the state model of :mod:`robot_offload.power`, phases in sequence)::
+
+    energy = compute_w * (head + encode) + transmit_w * (up + down) + idle_w * (rtt + server)
+
+Constraint: a lossy codec is used at a cut only if its profiled output error (relative
+L-infinity, :func:`~robot_offload.partition.profile.output_error`, the maximum over the
+calibration inputs) times ``error_safety`` is within ``error_tolerance``; lossless encodings
+always qualify. Only the profile's candidate cuts are considered.
+
+``robot_load`` and ``server_load`` are DynO's run-time scaling factors (measured / profiled
+time); :class:`DriftTracker` maintains them and says when the plans must be rebuilt.
+"""
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from robot_offload import codec
+from robot_offload.errors import ConfigError
+from robot_offload.partition.graph import OUTPUT_CUT
+from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
+from robot_offload.power import COMPUTE_W, IDLE_W, TRANSMIT_W
+
+OBJECTIVES = ("latency", "energy")
+
+
+def bandwidth_buckets(lo_bps: float = 1e6, hi_bps: float = 200e6, n: int = 24) -> Tuple[float, ...]:
+    """``n`` log-spaced bandwidths from ``lo_bps`` to ``hi_bps`` inclusive (bit/s)."""
+    if not (0 < lo_bps < hi_bps) or n < 2:
+        raise ConfigError("need 0 < lo_bps < hi_bps and n >= 2")
+    r = (hi_bps / lo_bps) ** (1.0 / (n - 1))
+    return tuple(lo_bps * r ** i for i in range(n))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    objective: str = "latency"          # latency | energy
+    error_tolerance: float = 0.005      # max relative output error (profile.output_error)
+    error_safety: float = 2.0           # a codec qualifies if profiled error * this <= tolerance
+    server_speedup: float = 10.0        # server time = robot time / speedup, until measured
+    rtt_s: float = 0.002                # round-trip time of one request (s)
+    compute_w: float = COMPUTE_W
+    transmit_w: float = TRANSMIT_W
+    idle_w: float = IDLE_W
+    output_codec: str = "raw"           # how the server encodes the outputs
+    buckets: Tuple[float, ...] = field(default_factory=bandwidth_buckets)
+    encodings: Optional[Tuple[str, ...]] = None   # "codec/compression" keys; None: all profiled
+    robot_load: float = 1.0             # measured / profiled robot time
+    server_load: float = 1.0            # measured / estimated server time
+
+    def validate(self) -> "PlannerConfig":
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown objective {self.objective!r}; known: {list(OBJECTIVES)}")
+        if not self.error_tolerance >= 0 or not self.error_safety >= 1:
+            raise ConfigError("error_tolerance must be >= 0 and error_safety >= 1")
+        if not self.server_speedup > 0 or not self.rtt_s >= 0:
+            raise ConfigError("server_speedup must be > 0 and rtt_s >= 0")
+        if not self.robot_load > 0 or not self.server_load > 0:
+            raise ConfigError("load factors must be > 0")
+        if self.output_codec not in codec.CODECS:
+            raise ConfigError(f"unknown output codec {self.output_codec!r}")
+        b = list(self.buckets)
+        if not b or any(not v > 0 for v in b) or b != sorted(b):
+            raise ConfigError("buckets must be increasing positive bandwidths")
+        return self
+
+
+@dataclass(frozen=True)
+class Prediction:
+    latency_s: float
+    energy_j: float
+    head_s: float
+    encode_s: float
+    up_s: float
+    server_s: float
+    down_s: float
+    bytes_up: float
+    bytes_down: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    cut_id: str
+    kind: str                 # input | inner | output
+    label: str
+    crossing: Tuple[str, ...]
+    codec: str
+    compression: str
+    error: float              # profiled output error of this codec at this cut
+    bandwidth_bps: float      # the bucket it was planned for
+    prediction: Prediction
+
+    @property
+    def encoding(self) -> str:
+        return encoding_key(self.codec, self.compression)
+
+    def describe(self) -> str:
+        if self.kind == OUTPUT_CUT:
+            return f"cut={self.label}"
+        return f"cut={self.label} enc={self.codec}/{self.compression}"
+
+
+def output_bytes(profile: Profile, output_codec: str) -> float:
+    """Bytes of the outputs as the server encodes them (uncompressed)."""
+    bits = {"raw": None, "float16": 16, **codec.INT_BITS}[output_codec]
+    total = 0
+    for numel, dtype in profile.output_leaves:
+        floating = dtype in ("float32", "float64", "float16", "bfloat16")
+        if bits is None or not floating:
+            total += numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        else:
+            total += (numel * bits + 7) // 8
+    return float(total)
+
+
+def server_time(profile: Profile, cut: CutProfile, cfg: PlannerConfig) -> float:
+    measured = profile.server.get("tail_s", {}).get(cut.id)
+    if measured is not None:
+        return measured
+    return cut.tail_s / cfg.server_speedup * cfg.server_load
+
+
+def predict(profile: Profile, cut: CutProfile, encoding: str, bandwidth_bps: float,
+            cfg: PlannerConfig, down_bytes: Optional[float] = None) -> Prediction:
+    """Predicted latency and energy of ``cut`` with ``encoding`` at ``bandwidth_bps``."""
+    if not bandwidth_bps > 0:
+        raise ConfigError("bandwidth must be positive")
+    if cut.kind == OUTPUT_CUT:
+        t = profile.forward_s * cfg.robot_load
+        return Prediction(t, cfg.compute_w * t, t, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    up_bytes = cut.wire_bytes(encoding)
+    if up_bytes is None:
+        raise ConfigError(f"cut {cut.id[:60]!r} has no measurement for {encoding}")
+    down = output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes
+    head = cut.head_s * cfg.robot_load
+    enc = cut.encode_s.get(encoding, 0.0) * cfg.robot_load
+    up = up_bytes * 8.0 / bandwidth_bps
+    dn = down * 8.0 / bandwidth_bps
+    srv = server_time(profile, cut, cfg)
+    latency = head + enc + up + cfg.rtt_s + srv + dn
+    energy = cfg.compute_w * (head + enc) + cfg.transmit_w * (up + dn) + cfg.idle_w * (cfg.rtt_s + srv)
+    return Prediction(latency, energy, head, enc, up, srv, dn, float(up_bytes), float(down))
+
+
+def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str, float]]:
+    """Every (candidate cut, encoding, error) the planner may choose: encodings measured at
+    that cut whose profiled error, times ``error_safety`` (the profile's errors are maxima
+    over a few calibration inputs; other inputs do worse), is within the tolerance."""
+    encs = list(cfg.encodings) if cfg.encodings is not None else profile.encodings
+    out = []
+    for c in profile.candidates:
+        if c.kind == OUTPUT_CUT:
+            out.append((c, encoding_key("raw", "none"), 0.0))
+            continue
+        for e in encs:
+            if c.wire_bytes(e) is None:
+                continue
+            err = c.codec_error(split_encoding(e)[0])
+            if err * cfg.error_safety <= cfg.error_tolerance:
+                out.append((c, e, err))
+    return out
+
+
+def best_plan(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
+              choices: Optional[List[Tuple[CutProfile, str, float]]] = None) -> Plan:
+    """The plan with the lowest objective at ``bandwidth_bps`` (ties: fewer bytes up, then
+    lower error)."""
+    choices = options(profile, cfg) if choices is None else choices
+    if not choices:
+        raise ConfigError(f"{profile.model}: no plan satisfies the constraints")
+    down = output_bytes(profile, cfg.output_codec)
+    best, best_key = None, None
+    for c, e, err in choices:
+        p = predict(profile, c, e, bandwidth_bps, cfg, down)
+        obj = p.latency_s if cfg.objective == "latency" else p.energy_j
+        key = (obj, p.bytes_up, err)
+        if best_key is None or key < best_key:
+            best, best_key = (c, e, err, p), key
+    c, e, err, p = best
+    cd, z = split_encoding(e)
+    return Plan(cut_id=c.id, kind=c.kind, label=c.label, crossing=tuple(c.crossing), codec=cd,
+                compression=z, error=err, bandwidth_bps=bandwidth_bps, prediction=p)
+
+
+def plan_for(profile: Profile, cut_id: str, encoding: str, bandwidth_bps: float,
+             cfg: PlannerConfig) -> Plan:
+    """A plan for a given cut and encoding (no optimisation, no tolerance check): to force
+    a split, e.g. in tests and benchmarks."""
+    c = profile.cut(cut_id)
+    if c.kind == OUTPUT_CUT:
+        encoding = encoding_key("raw", "none")
+    p = predict(profile, c, encoding, bandwidth_bps, cfg)
+    cd, z = split_encoding(encoding)
+    return Plan(cut_id=c.id, kind=c.kind, label=c.label, crossing=tuple(c.crossing), codec=cd,
+                compression=z, error=c.codec_error(cd), bandwidth_bps=bandwidth_bps, prediction=p)
+
+
+class PlanTable:
+    """Plans computed once per bandwidth bucket; :meth:`lookup` is a bisection per frame."""
+
+    def __init__(self, profile: Profile, cfg: PlannerConfig):
+        self.profile = profile
+        self.cfg = cfg.validate()
+        choices = options(profile, cfg)
+        self.buckets: Tuple[float, ...] = tuple(cfg.buckets)
+        self.plans: List[Plan] = [best_plan(profile, b, cfg, choices) for b in self.buckets]
+
+    def lookup(self, bandwidth_bps: float) -> Plan:
+        """The plan of the highest bucket not above ``bandwidth_bps`` (conservative); the
+        lowest bucket's below the range, the highest's above it."""
+        if not bandwidth_bps > 0 or math.isnan(bandwidth_bps):
+            return self.plans[0]
+        i = bisect.bisect_right(self.buckets, bandwidth_bps * (1 + 1e-9)) - 1
+        return self.plans[max(0, min(i, len(self.plans) - 1))]
+
+    def chosen_cuts(self) -> List[str]:
+        """Distinct cut ids over all buckets, in bucket order."""
+        return list(dict.fromkeys(p.cut_id for p in self.plans))
+
+    def rows(self) -> List[Dict]:
+        """One dict per bucket, for logs and tables."""
+        return [{"bandwidth_mbps": b / 1e6, "plan": p.describe(), "latency_ms": 1e3 * p.prediction.latency_s,
+                 "energy_mj": 1e3 * p.prediction.energy_j, "bytes_up": p.prediction.bytes_up,
+                 "error": p.error} for b, p in zip(self.buckets, self.plans)]
+
+
+class DriftTracker:
+    """DynO's run-time profiler: the ratio of measured to predicted compute time, smoothed,
+    for the robot and the server. :meth:`observe` returns True when a factor moved more than
+    ``threshold`` (relative) away from the one the current plans were made with, after at
+    least ``min_samples`` observations since then: time to re-plan with :meth:`apply`.
+    Measurements whose profiled time is below ``min_s`` are ignored: timer noise on
+    sub-millisecond work would otherwise look like drift."""
+
+    def __init__(self, threshold: float = 0.3, alpha: float = 0.3, min_samples: int = 3,
+                 min_s: float = 1e-3):
+        if not threshold > 0 or not 0 < alpha <= 1 or min_samples < 1 or min_s < 0:
+            raise ConfigError("need threshold > 0, 0 < alpha <= 1, min_samples >= 1, min_s >= 0")
+        self.threshold, self.alpha, self.min_samples, self.min_s = threshold, alpha, min_samples, min_s
+        self.ratio = {"robot": 1.0, "server": 1.0}      # smoothed measured / profiled
+        self.planned = {"robot": 1.0, "server": 1.0}    # factors the current plans use
+        self.samples = {"robot": 0, "server": 0}
+
+    def observe(self, side: str, predicted_s: float, measured_s: float) -> bool:
+        """Fold in one measurement of ``side`` ("robot" or "server") whose profile-based
+        time (load factor 1) is ``predicted_s``."""
+        if side not in self.ratio:
+            raise ConfigError(f"unknown side {side!r}")
+        if not (predicted_s > max(self.min_s, 1e-9) and measured_s >= 0 and math.isfinite(measured_s)):
+            return False
+        r = measured_s / predicted_s
+        n = self.samples[side]
+        self.ratio[side] = r if n == 0 else (1 - self.alpha) * self.ratio[side] + self.alpha * r
+        self.samples[side] = n + 1
+        return self.samples[side] >= self.min_samples and self.drifted(side)
+
+    def drifted(self, side: str) -> bool:
+        return abs(self.ratio[side] / self.planned[side] - 1.0) > self.threshold
+
+    def accept(self) -> Dict[str, float]:
+        """The plans are being rebuilt with the current ratios: remember them."""
+        self.planned = dict(self.ratio)
+        self.samples = {"robot": 0, "server": 0}
+        return dict(self.planned)
+
+    def apply(self, cfg: PlannerConfig) -> PlannerConfig:
+        return replace(cfg, robot_load=self.planned["robot"], server_load=self.planned["server"])

@@ -1,0 +1,244 @@
+"""Planner (pure arithmetic on synthetic profiles), drift tracking, and profiles: measured
+on a small model, cached on disk, refreshed on request."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from robot_offload.errors import ConfigError
+from robot_offload.partition import profile as prof
+from robot_offload.partition.graph import capture
+from robot_offload.partition.planner import (DriftTracker, PlannerConfig, PlanTable,
+                                             bandwidth_buckets, best_plan, options, predict)
+from robot_offload.partition.profile import CutProfile, Profile, output_error
+
+MB = 1e6
+
+
+def _profile(**kw):
+    """Three cuts: everything on the server, a small tensor after 30 ms, everything local.
+    100 ms of robot compute in all; 4000 output bytes."""
+    raw = {"raw/none": 600_000.0, "raw/zstd": 500_000.0, "int8/none": 150_000.0, "int8/zstd": 90_000.0}
+    mid = {"raw/none": 40_000.0, "raw/zstd": 30_000.0, "int8/none": 10_000.0, "int8/zstd": 6_000.0}
+    cuts = [
+        CutProfile("input", "input", ["x"], "input (all on server)", 0.0, 0.100, 600_000, True,
+                   raw, dict.fromkeys(raw, 0.001), {"int8": 0.002}),
+        CutProfile("a,b", "inner", ["a", "b"], "after b (2 tensors)", 0.030, 0.070, 40_000, True,
+                   mid, dict.fromkeys(mid, 0.0005), {"int8": 0.004}),
+        CutProfile("c", "inner", ["c"], "after c (1 tensor)", 0.050, 0.050, 30_000, False),
+        CutProfile("output", "output", ["y"], "output (all on robot)", 0.100, 0.0, 0, True,
+                   dict.fromkeys(raw, 0.0), dict.fromkeys(raw, 0.0)),
+    ]
+    d = dict(model="m", key="k", weights_hash="w", machine={}, input_shape=[1, 3, 8, 8],
+             traced=True, trace_error="", codecs=["raw", "int8"], compressions=["none", "zstd"],
+             forward_s=0.100, output_leaves=[(1000, "float32")], cuts=cuts)
+    d.update(kw)
+    return Profile(**d)
+
+
+def test_buckets_are_log_spaced_over_1_to_200_mbit():
+    b = bandwidth_buckets()
+    assert len(b) == 24 and b[0] == pytest.approx(1e6) and b[-1] == pytest.approx(200e6)
+    ratios = [y / x for x, y in zip(b, b[1:])]
+    assert max(ratios) == pytest.approx(min(ratios))
+    with pytest.raises(ConfigError):
+        bandwidth_buckets(10e6, 1e6)
+
+
+def test_latency_and_energy_model_by_hand():
+    p = _profile()
+    cfg = PlannerConfig(server_speedup=10.0, rtt_s=0.002)
+    c = p.cut("a,b")
+    pr = predict(p, c, "int8/zstd", 8 * MB, cfg)
+    up, down, server = 6_000 * 8 / 8e6, 4_000 * 8 / 8e6, 0.070 / 10
+    assert pr.latency_s == pytest.approx(0.030 + 0.0005 + up + 0.002 + server + down)
+    assert pr.energy_j == pytest.approx(13.35 * 0.0305 + 4.25 * (up + down) + 4.04 * (0.002 + server))
+    local = predict(p, p.cut("output"), "raw/none", 8 * MB, cfg)
+    assert local.latency_s == pytest.approx(0.100) and local.energy_j == pytest.approx(1.335)
+    assert local.bytes_up == 0 and local.bytes_down == 0
+    # The robot's load factor scales robot times; a measured server time replaces the estimate.
+    slow = predict(p, c, "int8/zstd", 8 * MB, PlannerConfig(robot_load=2.0))
+    assert slow.head_s == pytest.approx(0.060)
+    p.record_server_tail("a,b", 0.5)
+    assert predict(p, c, "int8/zstd", 8 * MB, cfg).server_s == pytest.approx(0.5)
+    with pytest.raises(ConfigError):
+        predict(p, c, "int4/zstd", 8 * MB, cfg)     # not measured
+
+
+def test_plan_follows_the_bandwidth():
+    table = PlanTable(_profile(), PlannerConfig(error_tolerance=0.0))
+    kinds = [p.kind for p in table.plans]
+    assert kinds[0] == "output" and kinds[-1] == "input" and "inner" in kinds
+    # monotone: once offloading wins, more bandwidth never brings the work back
+    order = {"output": 0, "inner": 1, "input": 2}
+    assert [order[k] for k in kinds] == sorted(order[k] for k in kinds)
+    assert all(p.codec == "raw" for p in table.plans)          # lossless only at tolerance 0
+    assert "c" not in table.chosen_cuts()                      # not a candidate
+    # lookup: the highest bucket not above the prediction; clamped outside the range
+    assert table.lookup(0.1 * MB) is table.plans[0]
+    assert table.lookup(1e12) is table.plans[-1]
+    assert table.lookup(float("nan")) is table.plans[0]
+    for b, plan in zip(table.buckets, table.plans):
+        assert table.lookup(b) is plan
+        assert table.lookup(b * 1.01) is plan
+    assert len(table.rows()) == 24 and "cut=" in table.rows()[0]["plan"]
+
+
+def test_error_tolerance_gates_lossy_codecs():
+    p = _profile()
+    # int8 errors: 0.002 at the input, 0.004 at the inner cut; the safety factor is 2.
+    allowed = {(c.id, e) for c, e, _ in options(p, PlannerConfig(error_tolerance=0.005))}
+    assert ("input", "int8/zstd") in allowed and ("a,b", "int8/zstd") not in allowed
+    allowed = {(c.id, e) for c, e, _ in options(p, PlannerConfig(error_tolerance=0.008))}
+    assert ("a,b", "int8/zstd") in allowed
+    plan = best_plan(p, 8 * MB, PlannerConfig(error_tolerance=0.01))
+    assert plan.codec == "int8" and plan.error <= 0.01 / 2
+    assert plan.describe().startswith("cut=") and "int8/zstd" in plan.describe()
+    # restricting the encodings
+    plan = best_plan(p, 8 * MB, PlannerConfig(error_tolerance=0.01, encodings=("raw/none",)))
+    assert plan.encoding == "raw/none" or plan.kind == "output"
+
+
+def test_energy_objective_offloads_where_latency_does_not():
+    p = _profile()
+    # At 2 Mbit/s the inner cut takes 175 ms against 100 ms locally, but while the robot
+    # waits and transmits it draws 4 W instead of 13 W.
+    lat = best_plan(p, 2 * MB, PlannerConfig(error_tolerance=0.0))
+    en = best_plan(p, 2 * MB, PlannerConfig(objective="energy", error_tolerance=0.0))
+    assert lat.cut_id == "output" and en.cut_id == "a,b"
+    assert lat.prediction.latency_s < en.prediction.latency_s
+    assert en.prediction.energy_j < lat.prediction.energy_j
+
+
+def test_planner_config_is_validated():
+    for bad in (dict(objective="speed"), dict(error_tolerance=-1), dict(server_speedup=0),
+                dict(rtt_s=-1), dict(robot_load=0), dict(output_codec="jpeg"),
+                dict(buckets=(2e6, 1e6)), dict(error_safety=0.5)):
+        with pytest.raises(ConfigError):
+            PlannerConfig(**bad).validate()
+
+
+def test_drift_tracker_replans_after_sustained_drift():
+    t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
+    assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise
+    t.accept()
+    fired = [t.observe("robot", 0.010, 0.030) for _ in range(4)]
+    assert fired == [False, False, True, True] and t.ratio["robot"] > 2
+    factors = t.accept()
+    cfg = t.apply(PlannerConfig())
+    assert cfg.robot_load == factors["robot"] > 2 and cfg.server_load == 1.0
+    assert not any(t.observe("robot", 0.010, 0.010 * factors["robot"]) for _ in range(4))
+    assert not t.observe("server", 0.0, 1.0)                             # nothing to compare
+    with pytest.raises(ConfigError):
+        t.observe("moon", 1, 1)
+
+
+def test_output_error():
+    y = {"a": torch.tensor([1.0, -2.0]), "b": [torch.tensor([3, 4])]}
+    assert output_error(y, y) == 0.0
+    z = {"a": torch.tensor([1.0, -2.1]), "b": [torch.tensor([3, 4])]}
+    assert output_error(z, y) == pytest.approx(0.05)
+    assert math.isinf(output_error({"a": y["a"], "b": [torch.tensor([3, 5])]}, y))
+    assert math.isinf(output_error([y["a"]], y))
+    assert math.isinf(output_error(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0])))
+
+
+# --- profiles of a real (small) graph ----------------------------------------------------
+class _Small(nn.Module):
+    """A residual conv net small enough to profile in a blink."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.AdaptiveMaxPool2d(4)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.c1(x))
+        b = torch.relu(self.c2(a)) + a
+        return self.fc(torch.flatten(self.pool(b), 1))
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    model = _Small().eval()
+    graph = capture(model)
+    xs = [torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    return model, graph, xs
+
+
+def test_build_profile_measures_cuts_bytes_and_errors(small):
+    model, graph, xs = small
+    p = prof.build_profile(graph, "small", "hash", xs, codecs=("raw", "float16", "int8", "int4"),
+                           compressions=("none", "zstd"), repeats=1)
+    assert p.cuts[0].kind == "input" and p.cuts[-1].kind == "output"
+    assert p.cuts[0].candidate and p.cuts[-1].candidate
+    assert p.forward_s > 0 and p.cuts[-1].head_s == p.forward_s == p.cuts[0].tail_s
+    heads = [c.head_s for c in p.cuts]
+    assert heads == sorted(heads)
+    assert p.output_leaves == [(10, "float32")] and p.output_raw_bytes == 40
+    for c in p.candidates:
+        if c.kind == "output":
+            continue
+        assert c.bytes["raw/none"] == c.raw_bytes
+        assert c.bytes["int8/none"] == pytest.approx(c.raw_bytes / 4, abs=len(c.crossing))
+        assert c.bytes["int4/none"] <= c.raw_bytes / 8 + len(c.crossing)
+        assert 0 < c.error["float16"] < c.error["int8"] < c.error["int4"] < 1
+        assert c.codec_error("raw") == 0.0
+    residual = [c for c in p.cuts if len(c.crossing) == 2]
+    assert residual, "the skip connection crosses some cut"
+
+
+def test_profile_cache_key_and_refresh(small, tmp_path):
+    model, graph, xs = small
+    kw = dict(codecs=("raw", "int8"), compressions=("none",), repeats=1)
+    p1 = prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, **kw)
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].startswith("small-") and files[0].endswith(".json")
+    p2 = prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, **kw)
+    assert p2.created == p1.created and p2.to_json() == p1.to_json()      # loaded
+    p3 = prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, refresh=True, **kw)
+    assert p3.created > p1.created
+    # Other weights, another input shape, other options: other keys, other files.
+    prof.load_or_build(str(tmp_path), graph, "small", "other-hash", xs, **kw)
+    prof.load_or_build(str(tmp_path), graph, "small", "hash", [torch.randn(1, 3, 8, 8)], **kw)
+    prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, codecs=("raw",),
+                       compressions=("none",), repeats=1)
+    assert len(os.listdir(tmp_path)) == 4
+    m1, m2 = prof.machine_id("cpu"), dict(prof.machine_id("cpu"), host="elsewhere")
+    assert prof.profile_key("h", m1, [1], {}) != prof.profile_key("h", m2, [1], {})
+    # A corrupt or foreign file is measured again, not trusted.
+    path = prof.profile_path(str(tmp_path), "small", p3.key)
+    with open(path, "w") as f:
+        f.write("{not json")
+    p4 = prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, **kw)
+    assert p4.created > p3.created
+    d = json.loads(p4.to_json())
+    d["version"] = 99
+    with open(path, "w") as f:
+        json.dump(d, f)
+    assert prof.load_or_build(str(tmp_path), graph, "small", "hash", xs, **kw).created > p4.created
+
+
+def test_profile_json_round_trip_and_server_times(small):
+    model, graph, xs = small
+    p = prof.build_profile(graph, "small", "hash", xs[:1], codecs=("raw",), compressions=("none",),
+                           repeats=1)
+    p.record_server_tail("input", 0.010, device="cuda:0")
+    p.record_server_tail("input", 0.020, device="cuda:0", alpha=0.5)
+    assert p.server["tail_s"]["input"] == pytest.approx(0.015)
+    q = Profile.from_json(p.to_json())
+    assert q.to_json() == p.to_json() and q.cut("output").kind == "output"
+    p.record_server_tail("input", 0.5, device="cpu")           # another server: start over
+    assert p.server == {"device": "cpu", "tail_s": {"input": 0.5}}
+    with pytest.raises(ConfigError):
+        q.cut("nope")
+    for bad in ('{"version": 1}', "[]", '{"version": 1, "cuts": [{"id": 1}]}'):
+        with pytest.raises((ConfigError, ValueError)):
+            Profile.from_json(bad)
