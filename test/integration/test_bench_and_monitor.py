@@ -10,19 +10,10 @@ import time
 
 import pytest
 
+from robot_offload.bench.runner import wait_for_master
 from robot_offload.testbed import Testbed
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
-
-
-def _wait_master(tb, env, timeout_s=60):
-    probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if tb.run("server", probe, env=env).wait(timeout=30) == 0:
-            return
-        time.sleep(0.5)
-    pytest.fail("roscore did not start in the server namespace")
 
 
 class EchoReader:
@@ -61,7 +52,7 @@ def test_monitor_follows_rate_change_and_energy_in_stats(tmp_path):
         log = open(tmp_path / "nodes.log", "w")
         tb.set_rate(50e6)
         tb.run("server", ["roscore", "-p", str(port)], env=senv, stdout=log, stderr=subprocess.STDOUT)
-        _wait_master(tb, senv)
+        wait_for_master(tb, senv)
         tb.run("server", ["roslaunch", "robot_offload", "server.launch", "preload:=[resnet18]"],
                env=senv, stdout=log, stderr=subprocess.STDOUT)
         tb.run("robot", ["roslaunch", "robot_offload", "robot.launch", "model:=resnet18",

@@ -72,6 +72,20 @@ def _wait_for_line(proc, token: str, timeout_s: float) -> str:
     raise TimeoutError(f"no {token} within {timeout_s} s")
 
 
+def wait_for_master(tb, env, core=None, timeout_s=60.0):
+    """Wait until a roscore answers in the testbed's server namespace (roslaunch would
+    start a master of its own otherwise). ``core``: the roscore process, if ours."""
+    probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if core is not None and core.poll() is not None:
+            raise RuntimeError("roscore exited; see logs/roscore.log")
+        if tb.run("server", probe, env=env).wait(timeout=30) == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("roscore did not come up")
+
+
 def _stop(proc, timeout_s=20.0):
     import signal
     if proc is None or proc.poll() is not None:
@@ -122,7 +136,7 @@ class BenchRunner:
             core = tb.run("server", ["roscore", "-p", str(port)], env=server_env,
                           stdout=self._log("roscore.log"), stderr=subprocess.STDOUT)
             try:
-                self._wait_for_master(tb, server_env, core)
+                wait_for_master(tb, server_env, core)
                 with limit as lim:
                     for model in cfg.models:
                         try:
@@ -135,19 +149,6 @@ class BenchRunner:
             finally:
                 _stop(core)
         return rows
-
-    @staticmethod
-    def _wait_for_master(tb, env, core, timeout_s=60.0):
-        """roslaunch starts a master of its own when none answers: wait for roscore."""
-        probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if core.poll() is not None:
-                raise RuntimeError("roscore exited; see logs/roscore.log")
-            if tb.run("server", probe, env=env).wait(timeout=30) == 0:
-                return
-            time.sleep(0.5)
-        raise TimeoutError("roscore did not come up")
 
     def _cpu_limit(self):
         cfg = self.cfg
