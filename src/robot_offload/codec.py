@@ -33,6 +33,7 @@ unpickled or executed.
 """
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
@@ -221,11 +222,18 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
                          raw_size=raw_size, data=payload)
 
 
-def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
-    """Decode an :class:`EncodedTensor` into a new, writable CPU tensor.
-
-    Raises :class:`CodecError` (with the reason) for anything inconsistent, and
-    :class:`PayloadTooLarge` for payloads above ``max_bytes``."""
+def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """Check everything of ``enc`` that can be checked without decompressing or decoding
+    it: field types, codec, compression, dtype, shape, sizes against each other and against
+    ``max_bytes``, and, for uncompressed tensors, the length of ``data``. Returns the size of
+    the decoded tensor (bytes). Raises what :func:`decode` raises for the same faults
+    (:class:`CodecError`, :class:`PayloadTooLarge`); the server runs it on every request
+    before any executor sees it."""
+    for name in ("name", "dtype", "codec", "compression"):
+        if not isinstance(getattr(enc, name, None), str):
+            raise CodecError(f"tensor field {name!r} must be a string")
+    if not isinstance(enc.data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"tensor {enc.name!r}: data must be bytes")
     if enc.codec not in CODECS:
         raise CodecError(f"unknown codec {enc.codec!r}; known: {list(CODECS)}")
     if enc.compression not in COMPRESSIONS:
@@ -234,8 +242,15 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
         raise CodecError(f"unknown dtype {enc.dtype!r}; known: {sorted(_DTYPES)}")
     if enc.codec != "raw" and enc.dtype not in _FLOATING:
         raise CodecError(f"codec {enc.codec} needs a floating dtype, got {enc.dtype}")
-    shape = list(enc.shape)
-    if len(shape) > MAX_DIMS or any(int(s) < 0 for s in shape):
+    try:
+        shape = [operator.index(s) for s in enc.shape]
+        raw_size = operator.index(enc.raw_size)
+        operator.index(enc.zero_point)
+        float(enc.scale)
+    except (TypeError, ValueError):
+        raise CodecError(f"tensor {enc.name!r}: shape, raw_size and zero_point must be integers "
+                         f"and scale a number") from None
+    if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
         raise CodecError(f"invalid shape {shape}")
     numel = _numel(shape)
     expected = _payload_size(numel, enc.dtype, enc.codec)
@@ -243,9 +258,29 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     if max(expected, decoded, len(enc.data)) > max_bytes:
         raise PayloadTooLarge(f"tensor {enc.name!r} needs {max(expected, decoded, len(enc.data))} "
                               f"bytes; the limit is {max_bytes}")
-    if enc.raw_size != expected:
+    if raw_size != expected:
         raise CodecError(f"tensor {enc.name!r}: raw_size {enc.raw_size} does not match shape "
                          f"{shape} and {enc.dtype}/{enc.codec} ({expected} bytes)")
+    if enc.compression == "none" and len(enc.data) != expected:
+        raise CodecError(f"tensor {enc.name!r}: {len(enc.data)} bytes of data, shape {shape} and "
+                         f"{enc.dtype}/{enc.codec} need {expected}")
+    if enc.codec in INT_BITS:
+        levels = (1 << INT_BITS[enc.codec]) - 1
+        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= levels:
+            raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
+                             f"zero_point={enc.zero_point}")
+    return decoded
+
+
+def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    """Decode an :class:`EncodedTensor` into a new, writable CPU tensor.
+
+    Raises :class:`CodecError` (with the reason) for anything inconsistent, and
+    :class:`PayloadTooLarge` for payloads above ``max_bytes``."""
+    check_header(enc, max_bytes)
+    shape = [int(s) for s in enc.shape]
+    numel = _numel(shape)
+    expected = _payload_size(numel, enc.dtype, enc.codec)
     payload = bytes(enc.data)
     if enc.compression in ("zstd", "bitshuffle_zstd"):
         try:
@@ -255,11 +290,6 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     if len(payload) != expected:
         raise CodecError(f"tensor {enc.name!r}: {len(payload)} bytes of data, shape {shape} and "
                          f"{enc.dtype}/{enc.codec} need {expected}")
-    if enc.codec in INT_BITS:
-        levels = (1 << INT_BITS[enc.codec]) - 1
-        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= levels:
-            raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
-                             f"zero_point={enc.zero_point}")
     if expected == 0:
         return torch.empty(shape, dtype=_DTYPES[enc.dtype])
     if enc.compression == "bitshuffle_zstd":
