@@ -55,5 +55,10 @@ class HashMismatch(RemoteError):
     """Robot and server hold different weights; offloading would give other results."""
 
 
+class Unauthorized(RemoteError):
+    """The server refused the request's authentication (no, wrong or stale token) or this
+    client may not use the model; offloading stays off until the server accepts again."""
+
+
 class StaleHandle(RemoteError):
     """A server-side tensor handle or session the client referred to no longer exists."""

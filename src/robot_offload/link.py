@@ -12,6 +12,11 @@ for the tensors). So a link is only offered again once the back-off after the la
 has passed too: ``retry_interval_s`` doubled per consecutive failure, capped at
 ``max_backoff_s``. Such a server then costs one missed deadline per back-off period, not
 one per frame; a success resets the back-off.
+
+A server that refuses the client's authentication (UNAUTHORIZED: no or wrong secret, clocks
+too far apart, model not allowed for this client) is treated as down: frames run locally
+and the prober keeps trying, so fixing the server's configuration and restarting it brings
+offloading back. The refusal is logged as an error once per change of reason.
 """
 
 import logging
@@ -19,7 +24,8 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-from robot_offload.errors import HashMismatch, ModelNotLoaded, OffloadError, TransportError
+from robot_offload.errors import (HashMismatch, ModelNotLoaded, OffloadError, TransportError,
+                                   Unauthorized)
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     PingRequest, raise_for_status)
 from robot_offload.transport.base import Transport
@@ -50,6 +56,7 @@ class ServerLink:
         self._prober: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self.listeners: List[Callable[[str], None]] = []   # told "up"/"down" on changes
+        self._auth_refusal = ""        # last UNAUTHORIZED text logged
 
     @property
     def available(self) -> bool:
@@ -114,6 +121,10 @@ class ServerLink:
             self._refused = True
             log.error("offloading disabled: %s", response.status_text)
             raise
+        except Unauthorized:
+            self._log_auth_refusal(response.status_text)
+            raise
+        self._auth_refusal = ""
         self.device = response.device
 
     def _probe_loop(self) -> None:
@@ -127,10 +138,17 @@ class ServerLink:
                 self._load(self.load_timeout_s)
             except (TransportError, OffloadError) as e:
                 self.last_error = str(e)
+                if isinstance(e, Unauthorized):
+                    self._log_auth_refusal(e.text)
                 continue
             self.server_id = ping.server_id
             self._set_up()
             return
+
+    def _log_auth_refusal(self, text: str) -> None:
+        if text != self._auth_refusal:
+            self._auth_refusal = text
+            log.error("offload server refused this client (computing locally, still probing): %s", text)
 
     def _set_up(self) -> None:
         if not self._up.is_set():

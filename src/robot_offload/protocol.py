@@ -39,6 +39,7 @@ _CODE_ERRORS = {
     StatusCode.MODEL_NOT_LOADED: errors.ModelNotLoaded,
     StatusCode.HASH_MISMATCH: errors.HashMismatch,
     StatusCode.STALE_HANDLE: errors.StaleHandle,
+    StatusCode.UNAUTHORIZED: errors.Unauthorized,
 }
 
 
@@ -106,6 +107,7 @@ class ComputeResponse:
 class PingRequest:
     client_id: str
     payload: bytes = b""
+    auth: str = ""
 
 
 @dataclass

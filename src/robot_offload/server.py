@@ -15,12 +15,12 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
 
-from robot_offload import codec, structure
+from robot_offload import auth, codec, request_check, structure
 from robot_offload.codec import PayloadTooLarge
 from robot_offload.errors import CodecError, ConfigError, UnknownModelError
 from robot_offload.models import get_spec, weights_hash
@@ -47,11 +47,23 @@ class ServerConfig:
     max_request_bytes: int = 256 * 1024 * 1024  # summed tensor payload of one request (bytes)
     max_input_elements: int = 64 * 1024 * 1024  # elements of one decoded input tensor
     allowed_models: tuple = ()           # empty: every registry model may be loaded
+    # client_id -> models that client may load and use ({} = no per-client lists; key "*":
+    # every client not listed). Refusals are UNAUTHORIZED. client_id is only as
+    # trustworthy as the (shared-secret) authentication: see robot_offload.auth.
+    client_models: dict = field(default_factory=dict)
+    auth_max_skew_s: float = auth.DEFAULT_MAX_SKEW_S  # with a secret: token age / clock difference (s)
     weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
 
     def validate(self) -> "ServerConfig":
         if self.max_request_bytes <= 0 or self.max_input_elements <= 0:
             raise ConfigError("max_request_bytes and max_input_elements must be positive")
+        if not self.auth_max_skew_s > 0:
+            raise ConfigError(f"auth_max_skew_s must be positive, got {self.auth_max_skew_s}")
+        if not isinstance(self.client_models, dict) or not all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(m, str) for m in v)
+                for k, v in self.client_models.items()):
+            raise ConfigError("client_models must map client ids to lists of model names, "
+                              f"got {self.client_models!r}")
         resolve_device(self.device)
         return self
 
@@ -93,8 +105,12 @@ class OffloadServer:
     """Holds the loaded models and answers requests; thread-safe (one ROS thread per
     connection calls :meth:`handle` concurrently)."""
 
-    def __init__(self, config: Optional[ServerConfig] = None):
+    def __init__(self, config: Optional[ServerConfig] = None, auth_secret: Optional[bytes] = None):
         self.config = (config or ServerConfig()).validate()
+        # With a secret every request must carry a valid token (robot_offload.auth).
+        self._verifier = (auth.Verifier(auth_secret, self.config.auth_max_skew_s)
+                          if auth_secret else None)
+        self._refusals = auth.ThrottledLog(log, interval_s=5.0)
         self.device = resolve_device(self.config.device)
         self.server_id = uuid.uuid4().hex[:12]
         self._models: Dict[str, LoadedModel] = {}
@@ -115,7 +131,13 @@ class OffloadServer:
             self.requests_total += 1
         if handler is None:
             return ComputeResponse(status=StatusCode.UNKNOWN_ENTRY, status_text=f"unknown method {method!r}")
+        denied = self._authenticate(method, request)
+        if denied is not None:
+            with self._lock:
+                self.requests_failed += 1
+            return response_type(status=StatusCode.UNAUTHORIZED, status_text=denied)
         try:
+            self._admit(method, request)
             return handler(request)
         except RequestRejected as e:
             code, text = e.code, e.text
@@ -131,8 +153,45 @@ class OffloadServer:
             code, text = StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
         with self._lock:
             self.requests_failed += 1
-        log.warning("%s refused: %s %s", method, StatusCode(code).name, text)
+        text = text[:2000]
+        self._refusals.log(logging.WARNING, (method, int(code)),
+                           f"{method} refused: {StatusCode(code).name} {text}")
         return response_type(status=code, status_text=text)
+
+    def _authenticate(self, method: str, request) -> Optional[str]:
+        """None when the request may proceed, else the UNAUTHORIZED text (logged, throttled
+        per kind of failure). Runs before anything else looks at the request."""
+        if self._verifier is None:
+            return None
+        try:
+            self._verifier.verify(method, request)
+            return None
+        except auth.AuthError as e:
+            reason, text = e.reason, str(e)
+        except Exception as e:  # noqa: BLE001 - whatever the request holds, refuse it
+            reason, text = "malformed", f"malformed request ({type(e).__name__})"
+        client = getattr(request, "client_id", "")
+        client = client[:64] if isinstance(client, str) else type(client).__name__
+        self._refusals.log(logging.WARNING, ("auth", reason),
+                           f"{method} from {client!r} refused: UNAUTHORIZED {text}")
+        return f"authentication failed: {text}"
+
+    def _admit(self, method: str, request) -> None:
+        """Well-formedness (robot_offload.request_check) and the per-client allow list."""
+        try:
+            request_check.check_request(method, request, self.config.max_request_bytes)
+        except request_check.BadRequest as e:
+            raise RequestRejected(e.code, e.text) from None
+        lists = self.config.client_models
+        if lists and method in ("load_model", "compute"):
+            allowed = lists.get(request.client_id, lists.get("*"))
+            model_free = method == "compute" and request.entry in globals().get("MODEL_FREE_ENTRIES", ())
+            if allowed is None:
+                raise RequestRejected(StatusCode.UNAUTHORIZED,
+                                      f"client {request.client_id[:64]!r} is not in client_models")
+            if not model_free and request.model not in allowed:
+                raise RequestRejected(StatusCode.UNAUTHORIZED, f"client {request.client_id[:64]!r} "
+                                      f"may not use model {request.model[:64]!r}")
 
     # -- methods ----------------------------------------------------------------------
     def _ping(self, req: PingRequest) -> PingResponse:

@@ -77,11 +77,11 @@ def compute_resp_from_srv(m) -> ComputeResponse:
 
 
 def ping_req_to_srv(r: PingRequest) -> PingSrvReq:
-    return PingSrvReq(client_id=r.client_id, payload=r.payload)
+    return PingSrvReq(client_id=r.client_id, payload=r.payload, auth=r.auth)
 
 
 def ping_req_from_srv(m) -> PingRequest:
-    return PingRequest(client_id=m.client_id, payload=bytes(m.payload))
+    return PingRequest(client_id=m.client_id, payload=bytes(m.payload), auth=m.auth)
 
 
 def ping_resp_to_srv(r: PingResponse) -> PingSrvResp:

@@ -33,8 +33,9 @@ _CALL_ERRORS = (rospy.ServiceException, rospy.exceptions.TransportException, OSE
 
 
 class RosServiceTransport(Transport):
-    def __init__(self, server_ns: str = "/offload_server", max_parallel_calls: int = 4):
-        super().__init__(max_parallel_calls)
+    def __init__(self, server_ns: str = "/offload_server", max_parallel_calls: int = 4,
+                 auth_secret=None):
+        super().__init__(max_parallel_calls, auth_secret=auth_secret)
         self.server_ns = server_ns.rstrip("/")
         self._free = defaultdict(list)
         self._lock = threading.Lock()

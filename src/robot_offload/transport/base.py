@@ -13,12 +13,20 @@ Every call has a deadline. A call that misses it raises
 :class:`~robot_offload.errors.OffloadTimeout`; an unreachable server raises
 :class:`~robot_offload.errors.ServerUnavailable`. Both are
 :class:`~robot_offload.errors.TransportError`, which callers answer by computing locally.
+
+Authentication lives here too, so that every backend (and every future one) gets it
+without doing anything: a transport given a secret (``auth_secret=`` or
+:meth:`Transport.set_auth_secret`) signs each request in :meth:`Transport.call` with a
+fresh token (:mod:`robot_offload.auth`) just before it leaves.
 """
 
 import abc
 import concurrent.futures
 import threading
 
+from typing import Optional
+
+from robot_offload import auth
 from robot_offload.errors import ConfigError, OffloadTimeout
 from robot_offload.protocol import METHODS
 
@@ -26,10 +34,20 @@ from robot_offload.protocol import METHODS
 class Transport(abc.ABC):
     """Carries one request to the server and returns its response, within a deadline."""
 
-    def __init__(self, max_parallel_calls: int = 4):
+    def __init__(self, max_parallel_calls: int = 4, auth_secret: Optional[bytes] = None):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_parallel_calls, thread_name_prefix=type(self).__name__)
         self._closed = threading.Event()
+        self._auth_secret = None
+        self.set_auth_secret(auth_secret)
+
+    def set_auth_secret(self, secret: Optional[bytes]) -> None:
+        """Sign every request from now on with ``secret`` (None or empty: do not sign)."""
+        self._auth_secret = bytes(secret) if secret else None
+
+    @property
+    def signs_requests(self) -> bool:
+        return self._auth_secret is not None
 
     @abc.abstractmethod
     def _call(self, method: str, request, timeout_s: float):
@@ -41,6 +59,8 @@ class Transport(abc.ABC):
             raise ConfigError(f"unknown method {method!r}; known: {sorted(METHODS)}")
         if not timeout_s > 0:
             raise OffloadTimeout(f"{method}: no time left before the deadline")
+        if self._auth_secret is not None:
+            request = auth.sign_request(self._auth_secret, method, request)
         return self._call(method, request, timeout_s)
 
     def submit(self, method: str, request, timeout_s: float) -> concurrent.futures.Future:

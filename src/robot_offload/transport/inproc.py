@@ -14,8 +14,8 @@ from robot_offload.transport.base import Transport
 class InProcessTransport(Transport):
     """``server`` is an :class:`robot_offload.server.OffloadServer` (or None: unreachable)."""
 
-    def __init__(self, server, max_parallel_calls: int = 4):
-        super().__init__(max_parallel_calls)
+    def __init__(self, server, max_parallel_calls: int = 4, auth_secret=None):
+        super().__init__(max_parallel_calls, auth_secret=auth_secret)
         self.server = server
         self._runner = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_parallel_calls, thread_name_prefix="inproc-server")
