@@ -53,6 +53,9 @@ class ServerConfig:
     client_models: dict = field(default_factory=dict)
     auth_max_skew_s: float = auth.DEFAULT_MAX_SKEW_S  # with a secret: token age / clock difference (s)
     weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
+    transparent: bool = True             # accept per-operator sessions (transparent, record_replay)
+    max_session_bytes: int = 2 * 1024 ** 3  # tensors one transparent session may hold (bytes)
+    max_sessions: int = 16               # transparent sessions kept (least recently used dropped)
 
     def validate(self) -> "ServerConfig":
         if self.max_request_bytes <= 0 or self.max_input_elements <= 0:
@@ -91,12 +94,17 @@ class LoadedModel:
 
 Executor = Callable[["OffloadServer", LoadedModel, ComputeRequest], ComputeResponse]
 EXECUTORS: Dict[str, Executor] = {}
+#: Entries that run on tensors the client uploaded, not on a registry model: their
+#: executor gets ``loaded=None`` and the request's ``model`` field is ignored.
+MODEL_FREE_ENTRIES = set()
 
 
-def executor(entry: str):
+def executor(entry: str, needs_model: bool = True):
     """Register ``fn(server, loaded_model, request) -> ComputeResponse`` for ``entry``."""
     def deco(fn):
         EXECUTORS[entry] = fn
+        if not needs_model:
+            MODEL_FREE_ENTRIES.add(entry)
         return fn
     return deco
 
@@ -216,14 +224,17 @@ class OffloadServer:
         if req.payload_bytes > self.config.max_request_bytes:
             raise RequestRejected(StatusCode.TOO_LARGE, f"request of {req.payload_bytes} bytes; "
                                   f"max_request_bytes is {self.config.max_request_bytes}")
-        with self._lock:
-            loaded = self._models.get(req.model)
-        if loaded is None:
-            raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
         run = EXECUTORS.get(req.entry)
         if run is None:
             raise RequestRejected(StatusCode.UNKNOWN_ENTRY,
                                   f"unknown entry {req.entry!r}; known: {sorted(EXECUTORS)}")
+        if req.entry in MODEL_FREE_ENTRIES:
+            loaded = None
+        else:
+            with self._lock:
+                loaded = self._models.get(req.model)
+            if loaded is None:
+                raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
         resp = run(self, loaded, req)
         resp.server_total_s = time.perf_counter() - t0
         return resp
@@ -317,3 +328,4 @@ def _forward(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) ->
 
 # Executors of other modules register themselves on import (kept last: they import this module).
 from robot_offload.partition import executor as _partition_executor  # noqa: E402,F401
+from robot_offload.transparent import server as _transparent_executor  # noqa: E402,F401

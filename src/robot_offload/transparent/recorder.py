@@ -1,0 +1,239 @@
+"""Recording intercepted operators and finding the sequence that repeats (RRTO §IV-C).
+
+The recorder sees every operator the robot sends one by one, as :class:`RecordedOp`:
+its name, its arguments as a JSON tree whose tensor references are either *outputs of an
+earlier recorded operator* (``("op", index, k)``) or *uploaded robot tensors*
+(``("up", handle)``), the metadata of its outputs, and whether its result had to be known
+on the robot (a value, or a shape that depends on data).
+
+Data dependency search. Operators that consume each other's outputs belong to the same
+*component* (union-find over the dataflow); an inference of a model is one component: it
+starts at operators that depend on no other operator (they read the input and weights
+only) and ends at the ones whose results go back to the robot. A component's *signature*
+rewrites its references relative to itself: an earlier operator of the component becomes
+its position, a tensor uploaded during the component becomes a numbered *input* (the frame),
+one uploaded before it a *constant* (weights, buffers, a cached grid). When a component
+closes -- a new one starts with the same first operator -- and its signature equals the
+previous component that started the same way, its operator sequence is *identified*.
+That skips a first inference that differs (KAPAO builds its grids then), and keeps models
+or call sites apart: their first operators read different weights or shapes.
+
+Nothing in the signature is trusted for correctness: the replayer compares every later
+operator call with the sequence before answering it (see ``session``); the signature only
+decides what is worth predicting.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass
+class RecordedOp:
+    name: str
+    args: object                      # JSON tree; tensor refs are ("op", i, k) / ("up", h) tuples
+    kwargs: object
+    out_metas: List[dict]             # tensor outputs, in leaf order
+    ret: object                       # return tree as sent by the server (metas / values)
+    sync: bool                        # its result must be known on the robot (value, dynamic shape)
+    fetched: set = field(default_factory=set)   # output indices read back by the robot
+
+
+@dataclass
+class Sequence:
+    """An identified inference operator sequence, in the server's ``define`` form."""
+
+    seq_id: str
+    key: str                          # signature of its first operator
+    ops: List[dict]                   # {"op", "a", "k"} with {"c"}/{"i"}/{"o"} refs
+    rets: List[object]                # recorded return trees (metas / values)
+    sync: List[bool]
+    input_metas: List[dict]
+    prefetch: List[Tuple[int, int]]   # outputs the robot read back during recording
+    n_ops: int = 0
+
+    def __post_init__(self):
+        self.n_ops = len(self.ops)
+
+
+def _refs(tree, out):
+    if isinstance(tree, tuple):
+        out.append(tree)
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _refs(v, out)
+    elif isinstance(tree, list):
+        for v in tree:
+            _refs(v, out)
+    return out
+
+
+class Recorder:
+    """Op log + union-find + identification. ``max_ops`` bounds the log (oldest dropped)."""
+
+    def __init__(self, max_ops: int = 50000):
+        self.max_ops = max_ops
+        self.reset()
+        self.sequences: Dict[str, Sequence] = {}
+        self._seq_counter = 0
+
+    def reset(self) -> None:
+        """Forget the log (after a divergence); identified sequences are kept."""
+        self.ops: List[RecordedOp] = []
+        self.parent: List[int] = []
+        self.producer: Dict[int, Tuple[int, int]] = {}    # handle -> (op index, k)
+        self.uploaded_at: Dict[int, int] = {}             # handle -> op count when uploaded
+        self.comp_first: Dict[int, int] = {}              # root -> first op index
+
+    # -- union-find -------------------------------------------------------------------
+    def _find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def _union(self, a: int, b: int) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            if self.comp_first[ra] > self.comp_first[rb]:
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+            del self.comp_first[rb]
+
+    # -- logging ----------------------------------------------------------------------
+    def note_upload(self, handle: int) -> None:
+        self.uploaded_at[handle] = len(self.ops)
+
+    def ref_of_handle(self, handle: int):
+        """The recorder's reference for a server handle the robot used as an argument."""
+        if handle in self.producer:
+            i, k = self.producer[handle]
+            return ("op", i, k)
+        return ("up", handle)
+
+    def is_root(self, args, kwargs) -> bool:
+        return not any(r[0] == "op" for r in _refs(args, []) + _refs(kwargs, []))
+
+    def add(self, op: RecordedOp, out_handles: List[int]) -> int:
+        if len(self.ops) >= self.max_ops:
+            self.reset()
+        i = len(self.ops)
+        self.ops.append(op)
+        self.parent.append(i)
+        self.comp_first[i] = i
+        for r in _refs(op.args, []) + _refs(op.kwargs, []):
+            if r[0] == "op" and r[1] < i:
+                self._union(i, r[1])
+        for k, h in enumerate(out_handles):
+            if h is not None:
+                self.producer[h] = (i, k)
+        return i
+
+    def note_fetch(self, handle: int) -> None:
+        if handle in self.producer:
+            i, k = self.producer[handle]
+            if i < len(self.ops):
+                self.ops[i].fetched.add(k)
+
+    def forget_handle(self, handle: int) -> None:
+        self.producer.pop(handle, None)
+        self.uploaded_at.pop(handle, None)
+
+    # -- signatures -------------------------------------------------------------------
+    def start_key(self, name: str, args, kwargs, fresh) -> str:
+        """Signature of a would-be first operator. ``fresh(handle)`` says whether an
+        uploaded tensor is new in this inference (else it is a constant)."""
+        inputs: Dict[int, int] = {}
+
+        def canon(tree):
+            if isinstance(tree, tuple):
+                if tree[0] == "up":
+                    if fresh(tree[1]):
+                        return {"i": inputs.setdefault(tree[1], len(inputs)), "m": tree[2] if len(tree) > 2 else None}
+                    return {"c": tree[1]}
+                return {"x": list(tree)}
+            if isinstance(tree, dict):
+                return {k: canon(v) for k, v in tree.items()}
+            if isinstance(tree, list):
+                return [canon(v) for v in tree]
+            return tree
+        return json.dumps([name, canon(args), canon(kwargs)], sort_keys=True)
+
+    def _component_ops(self, root: int) -> List[int]:
+        return [i for i in range(self.comp_first[root], len(self.ops)) if self._find(i) == root]
+
+    def _signature(self, idx: List[int]):
+        """(key, define-ops, input metas, JSON signature) of the component ``idx``."""
+        first = idx[0]
+        pos = {i: p for p, i in enumerate(idx)}
+        inputs: Dict[int, int] = {}
+        input_metas: List[dict] = []
+
+        def canon(tree):
+            if isinstance(tree, tuple):
+                if tree[0] == "op":
+                    return {"o": [pos[tree[1]], tree[2]]}
+                h = tree[1]
+                if self.uploaded_at.get(h, -1) >= first:
+                    if h not in inputs:
+                        inputs[h] = len(inputs)
+                        input_metas.append(tree[2] if len(tree) > 2 else {})
+                    return {"i": inputs[h]}
+                return {"c": h}
+            if isinstance(tree, dict):
+                return {k: canon(v) for k, v in tree.items()}
+            if isinstance(tree, list):
+                return [canon(v) for v in tree]
+            return tree
+        ops = []
+        for i in idx:
+            op = self.ops[i]
+            if any(r[0] == "op" and r[1] not in pos for r in _refs(op.args, []) + _refs(op.kwargs, [])):
+                return None
+            ops.append({"op": op.name, "a": canon(op.args), "k": canon(op.kwargs)})
+        metas = [[op_meta_key(self.ops[i])] for i in idx]
+        sig = json.dumps([ops, input_metas, metas], sort_keys=True)
+        return ops, input_metas, sig
+
+    def identify(self) -> Optional[Sequence]:
+        """Called when a new root operator arrives: compare the newest closed component
+        with the previous one that started with the same operator; on a match, the
+        sequence is identified (and returned)."""
+        roots = sorted(self.comp_first.items(), key=lambda kv: kv[1])
+        if len(roots) < 2:
+            return None
+        newest_root = roots[-1][0]
+        newest = self._component_ops(newest_root)
+        sig_new = self._signature(newest)
+        if sig_new is None:
+            return None
+        key_new = self._key_of(newest[0])
+        for root, _ in reversed(roots[:-1]):
+            comp = self._component_ops(root)
+            if self._key_of(comp[0]) != key_new:
+                continue
+            sig_old = self._signature(comp)
+            if sig_old is None or sig_old[2] != sig_new[2]:
+                return None
+            ops, input_metas, _ = sig_new
+            self._seq_counter += 1
+            seq = Sequence(
+                seq_id=f"s{self._seq_counter}", key=key_new, ops=ops,
+                rets=[self.ops[i].ret for i in newest], sync=[self.ops[i].sync for i in newest],
+                input_metas=input_metas,
+                prefetch=sorted({(p, k) for p, i in enumerate(newest) for k in self.ops[i].fetched}
+                                | {(p, k) for p, i in enumerate(comp) for k in self.ops[i].fetched}))
+            self.sequences[key_new] = seq
+            # The log before this point is explained; start afresh (bounded memory).
+            self.reset()
+            return seq
+        return None
+
+    def _key_of(self, i: int) -> str:
+        op = self.ops[i]
+        return self.start_key(op.name, op.args, op.kwargs,
+                              lambda h: self.uploaded_at.get(h, -1) >= i)
+
+
+def op_meta_key(op: RecordedOp):
+    return [op.out_metas, op.sync]

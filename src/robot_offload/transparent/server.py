@@ -1,0 +1,446 @@
+"""Server side of transparent offloading: the ``ops`` compute entry.
+
+A robot-side :class:`~robot_offload.transparent.session.RemoteSession` keeps its tensors
+here, in a *session* (``ComputeRequest.session``, scoped by ``client_id``), under integer
+handles the server hands out. One request (``args_json``) may carry, applied in this order:
+
+``release``  handles the robot no longer references.
+``uploads``  the request's tensors, in order: ``{"n": i}`` stores ``tensors[i]``;
+             ``{"sha": hex}`` names a tensor by content (sha256 of dtype, shape and bytes)
+             that the server may already hold -- a parameter of a registry model it built,
+             or one uploaded earlier in the session -- so weights cross the link once or
+             never. Unknown digests are answered with ``"missing"`` and nothing else is done;
+             the robot sends them again with data.
+``define``   a recorded operator sequence (record_replay), kept under an id.
+``replay``   run the first ``n`` operators of a defined sequence on fresh inputs; keep the
+             outputs the robot still references as handles, return the ones it will read.
+``ops``      operators to run one by one (transparent mode, and recording).
+``fetch``    handles whose values go back as the response's tensors.
+
+References inside operator arguments: ``{"h": handle}``, ``{"u": i}`` (the i-th upload of
+this request); inside a sequence: ``{"c": handle}`` (a constant), ``{"i": k}`` (the k-th
+input of the replay), ``{"o": [j, k]}`` (tensor output k of operator j of the sequence).
+
+Operators are looked up by name in the ``aten`` / ``torchvision`` namespaces only
+(:func:`~robot_offload.transparent.wire.resolve_op`); their shapes are first computed on
+the ``meta`` device so that an operator whose output would exceed the session's byte
+budget is refused before any memory is allocated. Every failure is a status, the session
+stays usable (an operator that fails leaves the handles as they were).
+"""
+
+import hashlib
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+
+from robot_offload import codec
+from robot_offload.errors import CodecError
+from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
+from robot_offload.server import OffloadServer, RequestRejected, executor
+from robot_offload.transparent import wire
+
+ENTRY = "ops"
+KEYS = frozenset({"release", "uploads", "define", "replay", "ops", "fetch"})
+MAX_OPS = 20000
+MAX_SEQUENCES = 32
+
+
+def content_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (the robot computes the same)."""
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _bad(text: str) -> RequestRejected:
+    return RequestRejected(StatusCode.BAD_REQUEST, text)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Sequence:
+    """A defined operator sequence, with the last use of every output (to free early)."""
+
+    def __init__(self, ops: List[dict], n_inputs: int):
+        self.ops = ops
+        self.n_inputs = n_inputs
+        self.resolved = [wire.resolve_op(op["op"]) for op in ops]
+        self.last_use: Dict[tuple, int] = {}
+        for j, op in enumerate(ops):
+            for ref in wire.tensor_ref_refs(op.get("a"), []) + wire.tensor_ref_refs(op.get("k"), []):
+                if not isinstance(ref, dict) or len(ref) != 1:
+                    raise _bad(f"sequence op {j}: malformed reference {str(ref)[:60]}")
+                (kind, val), = ref.items()
+                if kind == "o":
+                    if (not isinstance(val, list) or len(val) != 2 or not all(isinstance(v, int) for v in val)
+                            or not 0 <= val[0] < j):
+                        raise _bad(f"sequence op {j}: output reference {val} is not of an earlier op")
+                    self.last_use[tuple(val)] = j
+                elif kind == "i":
+                    if not isinstance(val, int) or not 0 <= val < n_inputs:
+                        raise _bad(f"sequence op {j}: input reference {val} out of range")
+                elif kind != "c":
+                    raise _bad(f"sequence op {j}: reference kind {kind!r} not allowed in a sequence")
+
+
+class Session:
+    def __init__(self, max_bytes: int):
+        self.lock = threading.Lock()
+        self.handles: Dict[int, torch.Tensor] = {}
+        self.sizes: Dict[int, int] = {}
+        self.by_digest: Dict[str, int] = {}
+        self.next_handle = 1
+        self.bytes = 0
+        self.max_bytes = max_bytes
+        self.sequences: "OrderedDict[str, Sequence]" = OrderedDict()
+        self.partial = None   # a replay stopped at a sync point, to be continued
+
+    def put(self, t: torch.Tensor) -> int:
+        h = self.next_handle
+        self.next_handle += 1
+        size = _nbytes(t)
+        self.handles[h] = t
+        self.sizes[h] = size
+        self.bytes += size
+        return h
+
+    def get(self, h) -> torch.Tensor:
+        if not isinstance(h, int) or isinstance(h, bool):
+            raise _bad(f"handle must be an integer, got {str(h)[:40]}")
+        try:
+            return self.handles[h]
+        except KeyError:
+            raise RequestRejected(StatusCode.STALE_HANDLE, f"unknown tensor handle {h} "
+                                  "(the server restarted or the handle was released)") from None
+
+    def release(self, h) -> None:
+        if isinstance(h, int) and h in self.handles:
+            del self.handles[h]
+            self.bytes -= self.sizes.pop(h)
+
+    def check_budget(self, extra: int) -> None:
+        if self.bytes + extra > self.max_bytes:
+            raise RequestRejected(StatusCode.TOO_LARGE, f"session would hold {self.bytes + extra} bytes; "
+                                  f"max_session_bytes is {self.max_bytes}")
+
+
+class _State:
+    """Per server: its sessions (LRU) and the content index of its registry weights."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sessions: "OrderedDict[tuple, Session]" = OrderedDict()
+        self.index: Dict[str, torch.Tensor] = {}
+        self.indexed_models = set()
+
+
+_STATES: "weakref.WeakKeyDictionary[OffloadServer, _State]" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _state(server: OffloadServer) -> _State:
+    with _STATES_LOCK:
+        st = _STATES.get(server)
+        if st is None:
+            st = _STATES[server] = _State()
+        return st
+
+
+def _session(server: OffloadServer, req: ComputeRequest) -> Session:
+    if not req.session or len(req.session) > 128:
+        raise _bad("the ops entry needs a session id (1-128 characters)")
+    st = _state(server)
+    key = (req.client_id, req.session)
+    with st.lock:
+        sess = st.sessions.get(key)
+        if sess is None:
+            sess = st.sessions[key] = Session(server.config.max_session_bytes)
+            while len(st.sessions) > server.config.max_sessions:
+                st.sessions.popitem(last=False)
+        st.sessions.move_to_end(key)
+        return sess
+
+
+def _lookup_digest(server: OffloadServer, sess: Session, digest: str) -> Optional[torch.Tensor]:
+    if digest in sess.by_digest and sess.by_digest[digest] in sess.handles:
+        return sess.handles[sess.by_digest[digest]]
+    st = _state(server)
+    with server._lock:
+        loaded = list(server._models.values())
+    with st.lock:
+        for m in loaded:
+            if m.name in st.indexed_models:
+                continue
+            for t in list(m.module.parameters()) + list(m.module.buffers()):
+                st.index[content_digest(t)] = t.detach()
+            st.indexed_models.add(m.name)
+        return st.index.get(digest)
+
+
+class _Run:
+    """One request being executed against one session."""
+
+    def __init__(self, server: OffloadServer, sess: Session, uploads: List[torch.Tensor]):
+        self.server = server
+        self.sess = sess
+        self.uploads = uploads
+        self.device = server.device
+        self.compute_s = 0.0
+
+    # -- references ------------------------------------------------------------------
+    def _direct(self, ref):
+        if not isinstance(ref, dict) or len(ref) != 1:
+            raise _bad(f"malformed tensor reference {str(ref)[:60]}")
+        (kind, val), = ref.items()
+        if kind == "h":
+            return self.sess.get(val)
+        if kind == "u":
+            if not isinstance(val, int) or not 0 <= val < len(self.uploads):
+                raise _bad(f"upload reference {val} out of range")
+            return self.uploads[val]
+        raise _bad(f"reference kind {kind!r} not allowed here")
+
+    # -- one operator -----------------------------------------------------------------
+    def call(self, func, args_tree, kwargs_tree, tensor_of, check_size: bool = True):
+        dec = wire.Decoder(tensor_of, self.device)
+        args = dec(args_tree) if args_tree is not None else []
+        kwargs = {}
+        if kwargs_tree is not None:
+            if not isinstance(kwargs_tree, dict) or len(kwargs_tree) > 64:
+                raise _bad("kwargs must be an object")
+            kwargs = {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}
+        if not isinstance(args, list):
+            raise _bad("args must be {'l': [...]}")
+        if check_size:
+            self._check_size(func, args, kwargs)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = func(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
+            raise _bad(f"{wire.op_name(func)} failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
+        self.compute_s += time.perf_counter() - t0
+        inputs = [a for a in _leaves(args) + _leaves(list(kwargs.values())) if isinstance(a, torch.Tensor)]
+        return out, inputs
+
+    def _check_size(self, func, args, kwargs):
+        """Refuse an operator whose outputs would not fit in the session's budget, using
+        shapes computed on the meta device (no memory allocated)."""
+        try:
+            meta_args = _to_meta(args)
+            meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+            with torch.inference_mode():
+                out = func(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - data-dependent shapes or no meta kernel: run it
+            return
+        extra = sum(_nbytes(t) for t in _leaves(out) if isinstance(t, torch.Tensor))
+        self.sess.check_budget(extra)
+
+    def encode_return(self, out, inputs):
+        """The return value as a JSON tree; new tensors get handles, in-place results
+        (an input returned) are marked ``{"a": 1}``."""
+        def ref(t):
+            if any(t is i for i in inputs):
+                return {"a": 1}
+            return dict(wire.tensor_meta(t), h=self.sess.put(t))
+        try:
+            return wire.encode(out, ref)
+        except wire.Unsupported as e:
+            raise _bad(f"cannot return {e}") from None
+
+
+def _leaves(obj) -> list:
+    if isinstance(obj, (list, tuple)):
+        return [x for o in obj for x in _leaves(o)]
+    return [obj]
+
+
+def _to_meta(obj):
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="meta")
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_meta(o) for o in obj)
+    return obj
+
+
+def _decode_uploads(server: OffloadServer, sess: Session, req: ComputeRequest, specs) -> tuple:
+    if not isinstance(specs, list) or len(specs) > wire.MAX_ITEMS:
+        raise _bad("uploads must be a list")
+    tensors, missing = [], []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise _bad("each upload is an object")
+        n, digest = spec.get("n", -1), spec.get("sha", "")
+        if not isinstance(n, int) or not isinstance(digest, str) or len(digest) > 64:
+            raise _bad("upload fields: n (int), sha (hex string)")
+        if 0 <= n < len(req.tensors):
+            t = codec.decode(req.tensors[n], max_bytes=server.config.max_request_bytes)
+            if t.numel() > server.config.max_input_elements:
+                raise RequestRejected(StatusCode.TOO_LARGE, f"upload {i} has {t.numel()} elements")
+            t = t.to(server.device)
+            tensors.append(t)
+        elif digest:
+            t = _lookup_digest(server, sess, digest)
+            if t is None:
+                missing.append(i)
+            tensors.append(t)
+        else:
+            raise _bad(f"upload {i}: neither a tensor index nor a digest")
+    return tensors, missing
+
+
+@executor(ENTRY, needs_model=False)
+def _ops(server: OffloadServer, loaded, req: ComputeRequest) -> ComputeResponse:
+    if not server.config.transparent:
+        raise RequestRejected(StatusCode.UNAUTHORIZED, "this server does not accept transparent sessions")
+    try:
+        args = json.loads(req.args_json or "{}")
+    except ValueError as e:
+        raise _bad(f"args_json is not JSON: {e}") from None
+    if not isinstance(args, dict) or not set(args) <= KEYS:
+        raise _bad(f"args_json must be an object with keys from {sorted(KEYS)}")
+    sess = _session(server, req)
+    with sess.lock:
+        return _execute(server, sess, req, args)
+
+
+def _execute(server: OffloadServer, sess: Session, req: ComputeRequest, args: dict) -> ComputeResponse:
+    result = {}
+    for h in args.get("release", [])[:wire.MAX_ITEMS * 16]:
+        sess.release(h)
+    uploads, missing = _decode_uploads(server, sess, req, args.get("uploads", []))
+    if missing:
+        return ComputeResponse(status=StatusCode.OK, result_json=json.dumps({"missing": missing}))
+    sess.check_budget(sum(_nbytes(t) for t in uploads))
+    result["uploaded"] = []
+    for spec, t in zip(args.get("uploads", []), uploads):
+        h = sess.put(t)
+        if spec.get("sha"):
+            sess.by_digest[spec["sha"]] = h
+        result["uploaded"].append(h)
+    run = _Run(server, sess, uploads)
+    if "define" in args:
+        _define(sess, args["define"])
+    fetched: List[torch.Tensor] = []
+    if "replay" in args:
+        result["replay"] = _replay(run, args["replay"], fetched)
+    ops = args.get("ops", [])
+    if not isinstance(ops, list) or len(ops) > MAX_OPS:
+        raise _bad("ops must be a list of at most %d operators" % MAX_OPS)
+    result["ops"] = []
+    for op in ops:
+        if not isinstance(op, dict):
+            raise _bad("each op is an object")
+        func = wire.resolve_op(op.get("op"))
+        out, inputs = run.call(func, op.get("a"), op.get("k"), run._direct)
+        result["ops"].append(run.encode_return(out, inputs))
+    for h in args.get("fetch", []):
+        fetched.append(sess.get(h))
+    if not isinstance(args.get("fetch", []), list):
+        raise _bad("fetch must be a list")
+    tensors = [codec.encode(t, name=f"f{i}", codec=req.output_codec, compression=req.output_compression)
+               for i, t in enumerate(fetched)]
+    return ComputeResponse(status=StatusCode.OK, tensors=tensors, result_json=json.dumps(result),
+                           server_compute_s=run.compute_s)
+
+
+def _define(sess: Session, spec) -> None:
+    if not isinstance(spec, dict) or not isinstance(spec.get("id"), str) or len(spec["id"]) > 64:
+        raise _bad("define needs an id (string) and ops (list)")
+    ops, n_inputs = spec.get("ops"), spec.get("n_inputs")
+    if not isinstance(ops, list) or not 0 < len(ops) <= MAX_OPS or not isinstance(n_inputs, int):
+        raise _bad("define needs 1..%d ops and n_inputs" % MAX_OPS)
+    if not all(isinstance(op, dict) for op in ops):
+        raise _bad("each op is an object")
+    try:
+        seq = Sequence(ops, n_inputs)
+    except (wire.WireError, CodecError) as e:
+        raise _bad(str(e)) from None
+    sess.sequences[spec["id"]] = seq
+    while len(sess.sequences) > MAX_SEQUENCES:
+        sess.sequences.popitem(last=False)
+
+
+def _replay(run: _Run, spec, fetched: list) -> dict:
+    """Run operators ``from`` .. ``n``-1 of a defined sequence (``from`` > 0 continues the
+    replay the previous request left off, whose intermediate tensors the session kept).
+    Returns the handles of the outputs the robot still references (``keep``) and the
+    return values of the operators it marked ``sync`` (values, data-dependent shapes)."""
+    sess = run.sess
+    if not isinstance(spec, dict):
+        raise _bad("replay must be an object")
+    seq_id = spec.get("id")
+    seq = sess.sequences.get(seq_id) if isinstance(seq_id, str) else None
+    if seq is None:
+        raise RequestRejected(StatusCode.STALE_HANDLE, f"unknown sequence {str(seq_id)[:64]!r}")
+    start, n = spec.get("from", 0), spec.get("n")
+    if not isinstance(start, int) or not isinstance(n, int) or not 0 <= start < n <= len(seq.ops):
+        raise _bad(f"replay needs 0 <= from < n <= {len(seq.ops)}")
+    if start == 0:
+        sess.partial = {"id": seq_id, "at": 0, "table": {}, "inputs": [None] * seq.n_inputs}
+    part = getattr(sess, "partial", None)
+    if part is None or part["id"] != seq_id or part["at"] != start:
+        raise RequestRejected(StatusCode.STALE_HANDLE, f"no replay of {seq_id!r} stopped at {start}")
+    inputs, table = part["inputs"], part["table"]
+    for pair in spec.get("inputs", []):
+        if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int) \
+                or not 0 <= pair[0] < seq.n_inputs:
+            raise _bad("replay inputs are [index, reference] pairs")
+        inputs[pair[0]] = run._direct(pair[1])
+    keep = {tuple(k) for k in spec.get("keep", []) if isinstance(k, list) and len(k) == 2}
+    want = [tuple(k) for k in spec.get("fetch", []) if isinstance(k, list) and len(k) == 2]
+    sync = set(spec.get("sync", []))
+
+    def tensor_of(ref):
+        if not isinstance(ref, dict) or len(ref) != 1:
+            raise _bad("malformed reference")
+        (kind, val), = ref.items()
+        if kind == "c":
+            return sess.get(val)
+        if kind == "i":
+            t = inputs[val]
+            if t is None:
+                raise _bad(f"replay input {val} missing")
+            return t
+        try:
+            return table[tuple(val)]
+        except KeyError:
+            raise _bad(f"output {val} is not available (released or not produced)") from None
+
+    rets = {}
+    sess.partial = None   # a failure below leaves no half-run replay to continue
+    for j in range(start, n):
+        op = seq.ops[j]
+        out, _ = run.call(seq.resolved[j], op.get("a"), op.get("k"), tensor_of, check_size=False)
+        for k, t in enumerate(t for t in _leaves(out) if isinstance(t, torch.Tensor)):
+            table[(j, k)] = t
+        if j in sync:
+            rets[str(j)] = wire.encode(out, lambda t: wire.tensor_meta(t))
+        for ref in wire.tensor_ref_refs(op.get("a"), []) + wire.tensor_ref_refs(op.get("k"), []):
+            if "o" in ref:
+                key = tuple(ref["o"])
+                if seq.last_use.get(key) == j and key not in keep:
+                    table.pop(key, None)
+    kept = []
+    for key in sorted(keep):
+        t = table.get(key)
+        if t is None:
+            raise _bad(f"keep {list(key)}: no such output in the first {n} operators")
+        kept.append([key[0], key[1], sess.put(t)])
+    for key in want:
+        t = table.get(key)
+        if t is None:
+            raise _bad(f"fetch {list(key)}: no such output in the first {n} operators")
+        fetched.append(t)
+    if n < len(seq.ops):
+        sess.partial = {"id": seq_id, "at": n, "table": table, "inputs": inputs}
+    return {"kept": kept, "rets": rets}

@@ -1,0 +1,733 @@
+"""Robot side of transparent offloading: operator interception, proxies, record and replay.
+
+:class:`Interceptor` is a ``TorchDispatchMode``: while it is active, every aten operator
+the program calls reaches :meth:`RemoteSession.dispatch` -- the Python counterpart of the
+paper's LD_PRELOAD shim around the CUDA runtime. An operator runs on the server when one
+of its tensors already lives there (a :class:`RemoteTensor` proxy) or is a model weight
+(``nn.Parameter``); everything else (building the input, bookkeeping) runs on the robot as
+before. A proxy has the shape, strides and dtype of the server tensor and no storage;
+reading its values (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.item()``, printing, a
+branch on a value) downloads it -- the counterpart of ``cudaMemcpyDtoH``. Operators that
+write into a robot tensor run on the robot, after downloading their remote arguments.
+
+Robot tensors an operator needs are uploaded once and cached by identity and version
+counter, so weights cross once and again only if modified in place; weights are first
+offered by content digest, which the server resolves from its own copy of a registry
+model without any upload.
+
+Modes:
+
+``transparent`` (the Cricket-style baseline) -- one request per operator.
+
+``record_replay`` (RRTO) -- operators are sent one by one and recorded
+(:mod:`~robot_offload.transparent.recorder`) until an inference's operator sequence is
+identified. From then on, an operator that starts a known sequence starts a *speculation*:
+each intercepted call is compared with the next recorded operator (name, non-tensor
+arguments, which tensors it reads, the shapes of fresh inputs) and answered from the
+record -- proxies with the recorded shapes -- without a round trip. The calls are sent as
+one ``replay`` request (with the fresh inputs and the list of outputs the program still
+holds) when the sequence ends, when the program needs a value, or at an operator whose
+result shape depends on data; the outputs the program read during recording come back
+in the same reply. A call that differs from the record ends the speculation: the
+operators matched so far are replayed (they are exactly what the program asked for), this
+one and the rest go one by one, and recording starts again. So a divergence costs time,
+never a wrong result.
+"""
+
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from robot_offload import codec
+from robot_offload.errors import OffloadError
+from robot_offload.protocol import ComputeRequest, raise_for_status
+from robot_offload.transparent import wire
+from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence
+from robot_offload.transparent.server import ENTRY, content_digest
+
+log = logging.getLogger(__name__)
+
+MODES = ("transparent", "record_replay")
+#: Robot tensors at least this large are offered by content digest before their bytes.
+DIGEST_MIN_BYTES = 64 * 1024
+#: Tensor methods that need the values on the robot.
+_MATERIALIZING = frozenset({"numpy", "tolist", "__array__", "__repr__", "__format__", "cpu",
+                            "__reduce_ex__", "data_ptr", "untyped_storage", "storage",
+                            "__dlpack__", "pin_memory", "__deepcopy__"})
+
+_current: "Optional[RemoteSession]" = None
+
+
+class RemoteTensor(torch.Tensor):
+    """Stands in for a tensor on the server: metadata only; values on demand."""
+
+    @staticmethod
+    def __new__(cls, session, meta: dict, handle=None):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta["s"], strides=meta["st"], storage_offset=meta.get("o", 0),
+            dtype=wire.meta_dtype(meta["d"]), device="cpu", requires_grad=False)
+        t._session = session
+        t._cell = [handle]            # server handle, filled later for replayed outputs
+        t._pending = None             # (speculation, j, k) while only the record knows it
+        t._origin = None              # (speculation, j, k) of a replayed output, for matching
+        t._value = None               # downloaded values (a plain tensor)
+        t._meta = meta
+        weakref.finalize(t, session._forget, t._cell)
+        return t
+
+    @property
+    def handle(self):
+        return self._cell[0]
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self._session.materialize(self))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _MATERIALIZING:
+            sess = next(a._session for a in tree_flatten((args, kwargs))[0] if isinstance(a, RemoteTensor))
+            args, kwargs = tree_map(lambda a: sess.materialize(a) if isinstance(a, RemoteTensor) else a,
+                                    (args, kwargs))
+            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        sess = next(a._session for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, RemoteTensor))
+        return sess.dispatch(func, args, kwargs or {})
+
+
+class Interceptor(TorchDispatchMode):
+    """While active, the session sees every aten operator of this thread."""
+
+    def __init__(self, session: "RemoteSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.session.dispatch(func, args, kwargs or {})
+
+
+class Mismatch(Exception):
+    """An operator call that differs from the recorded sequence."""
+
+
+@dataclass
+class InferenceCount:
+    phase: str
+    round_trips: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    ops: int = 0
+
+
+@dataclass
+class SessionStats:
+    round_trips: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    ops_remote: int = 0
+    ops_local: int = 0
+    ops_replayed: int = 0
+    replays: int = 0
+    divergences: int = 0
+    sequences_identified: int = 0
+    inferences: List[InferenceCount] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "inferences"}
+        d["inferences"] = [i.__dict__ for i in self.inferences[-1000:]]
+        return d
+
+
+class _Speculation:
+    """A sequence being answered from the record."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.pos = 0            # operators matched so far
+        self.sent = 0           # operators already replayed by the server
+        self.proxies: Dict[tuple, "weakref.ref"] = {}    # (j, k) -> proxy
+        self.inputs: Dict[int, torch.Tensor] = {}        # input index -> robot tensor / proxy
+        self.inputs_sent = set()
+
+
+class RemoteSession:
+    """One program's (or one backend's) tensors on one server.
+
+    ``call(request, timeout_s)`` sends a ComputeRequest and returns the response (a
+    transport with a deadline; :class:`~robot_offload.errors.TransportError` on failure).
+    """
+
+    def __init__(self, call, mode: str = "record_replay", client_id: str = "",
+                 timeout_s: float = 10.0, output_codec: str = "raw"):
+        if mode not in MODES:
+            raise OffloadError(f"unknown transparent mode {mode!r}; known: {list(MODES)}")
+        self._call = call
+        self.mode = mode
+        self.client_id = client_id or "transparent-" + uuid.uuid4().hex[:8]
+        self.timeout_s = timeout_s
+        self.deadline = None              # absolute perf_counter deadline (backends set it)
+        self.output_codec = output_codec
+        self.stats = SessionStats()
+        self.frame_stats = None           # a FrameStats to account calls into, if any
+        self._lock = threading.RLock()
+        self._schema_cache: Dict[object, tuple] = {}
+        self.reset()
+
+    # -- life cycle ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every server-side object (after a server restart or a failure)."""
+        self.session_id = uuid.uuid4().hex[:16]
+        self._uploaded: Dict[int, tuple] = {}     # id(tensor) -> (weakref, version, handle)
+        self._digests: Dict[int, tuple] = {}      # id(tensor) -> (weakref, version, sha)
+        self._releases: List[int] = []
+        self._spec: Optional[_Speculation] = None
+        self._defined = set()
+        self.recorder = Recorder()
+        self._generation = getattr(self, "_generation", 0) + 1
+
+    def _forget(self, cell) -> None:
+        if cell[0] is not None and getattr(self, "_releases", None) is not None:
+            self._releases.append(cell[0])
+
+    def __enter__(self):
+        global _current
+        self._prev, _current = _current, self
+        self._mode_ctx = Interceptor(self)
+        self._mode_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        global _current
+        self._mode_ctx.__exit__(*exc)
+        _current = self._prev
+        return False
+
+    # -- the interception point ----------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        with self._lock:
+            flat, _ = tree_flatten((args, kwargs))
+            remote = any(isinstance(a, RemoteTensor) for a in flat)
+            if not remote and not any(isinstance(a, torch.nn.Parameter) for a in flat):
+                self.stats.ops_local += 1
+                return func(*args, **kwargs)
+            if self._writes_robot_tensor(func, args, kwargs):
+                return self._run_locally(func, args, kwargs)
+            if self.mode == "record_replay":
+                return self._record_replay(func, args, kwargs)
+            return self._transparent(func, args, kwargs)
+
+    def _run_locally(self, func, args, kwargs):
+        self._end_speculation_before_local()
+        self.stats.ops_local += 1
+        args, kwargs = tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor) else a,
+                                (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _end_speculation_before_local(self):
+        if self._spec is not None:
+            self._diverge("a robot-side write")
+
+    def _schema(self, func):
+        info = self._schema_cache.get(func)
+        if info is None:
+            schema = func._schema
+            written = [(i, a.name) for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write]
+            returns_alias = []
+            for r in schema.returns:
+                src = None
+                if r.alias_info is not None and r.alias_info.is_write:
+                    for i, a in enumerate(schema.arguments):
+                        if a.alias_info is not None and set(a.alias_info.before_set) & set(r.alias_info.before_set):
+                            src = (i, a.name)
+                            break
+                returns_alias.append(src)
+            sync = any(str(r.type) not in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns)
+            info = (written, returns_alias, sync, len(schema.returns))
+            self._schema_cache[func] = info
+        return info
+
+    @staticmethod
+    def _arg(args, kwargs, pos_name):
+        i, name = pos_name
+        if i < len(args):
+            return args[i]
+        return kwargs.get(name)
+
+    def _writes_robot_tensor(self, func, args, kwargs) -> bool:
+        written, _, _, _ = self._schema(func)
+        for pn in written:
+            v = self._arg(args, kwargs, pn)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor) and not isinstance(t, RemoteTensor):
+                    return True
+        return False
+
+    # -- transparent: one request per operator -------------------------------------------
+    def _transparent(self, func, args, kwargs, record: bool = False):
+        uploads: List[tuple] = []          # (tensor, spec dict)
+        rec_refs = {}
+
+        def ref(t):
+            if isinstance(t, RemoteTensor):
+                if t._pending is not None:
+                    self._flush("an operator outside the recorded sequence")
+                if t.handle is None:
+                    raise OffloadError("a remote tensor of a failed or reset session was used")
+                return {"h": t.handle}
+            return self._upload_ref(t, uploads)
+
+        try:
+            a_tree = wire.encode(list(args), ref)
+            k_tree = {k: wire.encode(v, ref) for k, v in kwargs.items()}
+        except wire.Unsupported:
+            return self._run_locally(func, args, kwargs)
+        name = wire.op_name(func)
+        req_args = {"ops": [{"op": name, "a": a_tree, "k": k_tree}]}
+        result, _ = self._send(req_args, uploads)
+        self.stats.ops_remote += 1
+        ret = result["ops"][0]
+        out = self._decode_return(func, args, kwargs, ret)
+        if record:
+            self._record(func, name, a_tree, k_tree, ret, out, args, kwargs)
+        return out
+
+    def _upload_ref(self, t: torch.Tensor, uploads: list) -> dict:
+        entry = self._uploaded.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return {"h": entry[2]}
+        for i, (u, _) in enumerate(uploads):
+            if u is t:
+                return {"u": i}
+        uploads.append((t, {}))
+        return {"u": len(uploads) - 1}
+
+    def _digest(self, t: torch.Tensor) -> str:
+        entry = self._digests.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2]
+        sha = content_digest(t)
+        self._digests[id(t)] = (weakref.ref(t), t._version, sha)
+        return sha
+
+    def _send(self, req_args: dict, uploads: list, fetch_tensors: bool = True):
+        """One round trip. Uploads go by digest first (big robot tensors), then by value."""
+        by_digest = [t.numel() * t.element_size() >= DIGEST_MIN_BYTES for t, _ in uploads]
+        while True:
+            specs, tensors = [], []
+            for (t, _), dig in zip(uploads, by_digest):
+                if dig:
+                    specs.append({"sha": self._digest(t)})
+                else:
+                    specs.append({"n": len(tensors), "sha": self._digest(t) if t.numel() * t.element_size() >= DIGEST_MIN_BYTES else ""})
+                    tensors.append(codec.encode(t.detach().contiguous(), f"u{len(tensors)}"))
+            body = dict(req_args)
+            if specs:
+                body["uploads"] = specs
+            if self._releases:
+                body["release"], self._releases = self._releases, []
+            response = self._roundtrip(body, tensors)
+            result = json.loads(response.result_json or "{}")
+            if "missing" in result:
+                for i in result["missing"]:
+                    by_digest[i] = False
+                continue
+            for (t, _), h in zip(uploads, result.get("uploaded", [])):
+                self._remember_upload(t, h)
+            return result, response
+
+    def _remember_upload(self, t: torch.Tensor, h: int) -> None:
+        key = id(t)
+        sess_gen = self._generation
+
+        def dead(_, key=key, h=h):
+            if self._generation == sess_gen:
+                self._releases.append(h)
+                self._uploaded.pop(key, None)
+        self._uploaded[key] = (weakref.ref(t, dead), t._version, h)
+        self.recorder.note_upload(h)
+
+    def _roundtrip(self, body: dict, tensors: list):
+        timeout = self.timeout_s
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.perf_counter())
+        req = ComputeRequest(client_id=self.client_id, model="", entry=ENTRY, tensors=tensors,
+                             args_json=json.dumps(body), session=self.session_id,
+                             output_codec=self.output_codec)
+        t0 = time.perf_counter()
+        response = self._call(req, timeout)
+        t1 = time.perf_counter()
+        raise_for_status(response.status, response.status_text)
+        up, down = req.payload_bytes + len(req.args_json), response.payload_bytes + len(response.result_json)
+        self.stats.round_trips += 1
+        self.stats.bytes_up += up
+        self.stats.bytes_down += down
+        if self.stats.inferences:
+            cur = self.stats.inferences[-1]
+            cur.round_trips += 1
+            cur.bytes_up += up
+            cur.bytes_down += down
+        if self.frame_stats is not None:
+            self.frame_stats.add_call(t0, t1, response.server_total_s or response.server_compute_s, up, down)
+        return response
+
+    def _decode_return(self, func, args, kwargs, ret, from_record: bool = False):
+        """Proxies for the tensors of a server return tree; in-place returns give back the
+        argument object itself."""
+        _, returns_alias, _, n_returns = self._schema(func)
+        counter = itertools.count()
+
+        def build(node, top_index=None):
+            if isinstance(node, dict) and len(node) == 1 and "t" in node:
+                meta = node["t"]
+                idx = top_index if top_index is not None else 0
+                if meta.get("a") and idx < len(returns_alias) and returns_alias[idx] is not None:
+                    obj = self._arg(args, kwargs, returns_alias[idx])
+                    if isinstance(obj, RemoteTensor):
+                        obj._value = None
+                    next(counter)
+                    return obj
+                next(counter)
+                return RemoteTensor(self, meta, None if from_record else meta.get("h"))
+            if isinstance(node, dict) and len(node) == 1 and "l" in node:
+                return [build(v) for v in node["l"]]
+            if isinstance(node, dict) and len(node) == 1 and "f" in node:
+                return float(node["f"])
+            return node
+        if n_returns > 1 and isinstance(ret, dict) and "l" in ret:
+            return tuple(build(v, i) for i, v in enumerate(ret["l"]))
+        return build(ret, 0)
+
+    # -- materialising ---------------------------------------------------------------------
+    def materialize(self, t):
+        """The values of a proxy as a robot tensor (downloaded once, then cached)."""
+        if not isinstance(t, RemoteTensor):
+            return t
+        with self._lock:
+            if t._value is not None:
+                return t._value
+            if t._pending is not None:
+                self._flush("the program reads a value", want=t)
+                if t._value is not None:
+                    return t._value
+            if t.handle is None:
+                raise OffloadError("a remote tensor of a failed or reset session was read")
+            _, response = self._send({"fetch": [t.handle]}, [])
+            if self.mode == "record_replay":
+                self.recorder.note_fetch(t.handle)
+                if t._origin is not None:   # read after a replay: prefetch it next time
+                    seq = t._origin[0].seq
+                    if tuple(t._origin[1:]) not in set(map(tuple, seq.prefetch)):
+                        seq.prefetch.append(tuple(t._origin[1:]))
+            t._value = self._to_robot(codec.decode(response.tensors[0]), t)
+            return t._value
+
+    @staticmethod
+    def _to_robot(value: torch.Tensor, proxy: RemoteTensor) -> torch.Tensor:
+        value = value.reshape(proxy.shape)
+        if tuple(proxy.stride()) != tuple(value.stride()) and value.numel() > 0:
+            try:
+                value = torch.empty_strided(proxy.shape, proxy.stride(), dtype=value.dtype).copy_(value)
+            except RuntimeError:
+                pass
+        return value
+
+    # -- record / replay -------------------------------------------------------------------
+    def _tensor_rec_ref(self, t) -> tuple:
+        """Recorder reference for a tensor argument of an operator being recorded."""
+        if isinstance(t, RemoteTensor):
+            return self.recorder.ref_of_handle(t.handle)
+        entry = self._uploaded.get(id(t))
+        return ("up", entry[2], _meta_of(t))
+
+    def _record(self, func, name, a_tree, k_tree, ret, out, args, kwargs):
+        def rec(node, value):
+            if isinstance(node, dict) and len(node) == 1 and "t" in node:
+                return {"t": self._tensor_rec_ref(value)}
+            if isinstance(node, dict) and len(node) == 1 and "l" in node:
+                return {"l": [rec(n, v) for n, v in zip(node["l"], value)]}
+            return node
+        a_rec = rec(a_tree, list(args))
+        k_rec = {k: rec(v, kwargs[k]) for k, v in k_tree.items()}
+        out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        metas = [_meta_of(t) for t in out_tensors]
+        _, _, value_return, _ = self._schema(func)
+        sync = value_return or not self._shapes_static(func, args, kwargs, metas)
+        op = RecordedOp(name, a_rec, k_rec, metas, ret, sync)
+        # In-place results ({"a": 1}) produce no new tensor: their producer stays the same.
+        self.recorder.add(op, [m.get("h") for m in _metas_in(ret)])
+
+    def _shapes_static(self, func, args, kwargs, metas) -> bool:
+        """Whether the output shapes follow from the input shapes (the meta kernel agrees
+        with the server); if not, the operator is a sync point of its sequence."""
+        try:
+            m_args, m_kwargs = tree_map(
+                lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                if isinstance(a, torch.Tensor) else a, (args, kwargs))
+            out = func(*m_args, **m_kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel or data-dependent output shape
+            return False
+        got = [_meta_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        return [(m["s"], m["d"]) for m in got] == [(m["s"], m["d"]) for m in metas]
+
+    def _record_replay(self, func, args, kwargs):
+        name = wire.op_name(func)
+        if self._spec is not None:
+            try:
+                return self._speculate(func, name, args, kwargs)
+            except Mismatch as e:
+                self._diverge(str(e))
+                return self._transparent(func, args, kwargs, record=True)
+        # Not in a sequence: does this operator start one?
+        if self.recorder.sequences or self.recorder.ops:
+            probe = self._probe_key(name, args, kwargs)
+            if probe is not None:
+                if self.recorder.ops and probe[1]:
+                    seq = self.recorder.identify()
+                    if seq is not None:
+                        self.stats.sequences_identified += 1
+                        log.info("identified an operator sequence of %d operators (%s)", seq.n_ops, seq.seq_id)
+                seq = self.recorder.sequences.get(probe[0])
+                if seq is not None:
+                    self._spec = _Speculation(seq)
+                    self.stats.inferences.append(InferenceCount("replaying"))
+                    try:
+                        return self._speculate(func, name, args, kwargs)
+                    except Mismatch as e:
+                        self._diverge(str(e))
+                        return self._transparent(func, args, kwargs, record=True)
+                if probe[1]:
+                    self.stats.inferences.append(InferenceCount("recording"))
+        elif not self.stats.inferences:
+            self.stats.inferences.append(InferenceCount("recording"))
+        return self._transparent(func, args, kwargs, record=True)
+
+    def _probe_key(self, name, args, kwargs):
+        """(start key, is_root) of an operator about to be recorded, or None when one of
+        its tensors cannot be referenced without a round trip."""
+        root = True
+
+        def ref(t):
+            nonlocal root
+            if isinstance(t, RemoteTensor):
+                if t.handle is None:
+                    raise wire.Unsupported("pending")
+                r = self.recorder.ref_of_handle(t.handle)
+                if r[0] == "op":
+                    root = False
+                return r
+            entry = self._uploaded.get(id(t))
+            if entry is not None and entry[0]() is t and entry[1] == t._version:
+                return ("up", entry[2], _meta_of(t))
+            return ("up", -1, _meta_of(t))
+        try:
+            a = wire.encode(list(args), ref)
+            k = {kk: wire.encode(v, ref) for kk, v in kwargs.items()}
+        except wire.Unsupported:
+            return None
+        if not root:
+            return None, False
+        key = self.recorder.start_key(name, a, k, lambda h: h == -1 or self.recorder.uploaded_at.get(h, -1) >= len(self.recorder.ops))
+        return key, True
+
+    def _speculate(self, func, name, args, kwargs):
+        spec = self._spec
+        seq = spec.seq
+        j = spec.pos
+        expected = seq.ops[j]
+        if expected["op"] != name:
+            raise Mismatch(f"operator {j}: {name} where the record has {expected['op']}")
+        bind = {}
+        try:
+            self._match(expected["a"], list(args), spec, bind, j)
+            if set(expected["k"]) != set(kwargs):
+                raise Mismatch(f"operator {j}: keyword arguments differ")
+            for k, v in kwargs.items():
+                self._match(expected["k"][k], v, spec, bind, j)
+        except wire.Unsupported as e:
+            raise Mismatch(f"operator {j}: {e}") from None
+        for idx, t in bind.items():
+            spec.inputs[idx] = t
+        # Answer from the record.
+        ret = seq.rets[j]
+        out = self._decode_return(func, args, kwargs, ret, from_record=True)
+        out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, RemoteTensor)]
+        for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret))):
+            if not m.get("a"):
+                t._pending = t._origin = (spec, j, k)
+                spec.proxies[(j, k)] = weakref.ref(t)
+        spec.pos = j + 1
+        self.stats.ops_replayed += 1
+        if self.stats.inferences:
+            self.stats.inferences[-1].ops += 1
+        if seq.sync[j]:
+            actual = self._flush("a value or data-dependent shape", sync_op=j)
+            shapes = [(m.get("s"), m.get("d")) for m in _metas_in(actual)]
+            if shapes != [(m.get("s"), m.get("d")) for m in _metas_in(ret)]:
+                # The data made the shapes differ from the record: hand out proxies with the
+                # real shapes (same server tensors) and record again from here.
+                self._spec = None
+                self._note_divergence(spec, f"operator {j} returned other shapes than recorded")
+                return self._decode_return(func, args, kwargs, self._rebuild_ret(actual, out_tensors))
+            if not out_tensors:
+                out = self._decode_return(func, args, kwargs, actual)
+        if spec.pos == seq.n_ops and self._spec is spec:
+            self._flush("end of the sequence")
+            self._spec = None
+        return out
+
+    def _rebuild_ret(self, actual, old_tensors):
+        """A return tree with the server's values/metas and the handles of the kept outputs
+        (moved from the old proxies, which must not release them)."""
+        olds = iter(old_tensors)
+
+        def walk(node):
+            if isinstance(node, dict) and len(node) == 1 and "t" in node:
+                meta = dict(node["t"])
+                old = next(olds, None)
+                meta["h"] = old.handle if old is not None else None
+                if old is not None:
+                    old._cell[0] = None
+                return {"t": meta}
+            if isinstance(node, dict) and len(node) == 1 and "l" in node:
+                return {"l": [walk(v) for v in node["l"]]}
+            return node
+        return walk(actual)
+
+    def _note_divergence(self, spec, why: str) -> None:
+        self.stats.divergences += 1
+        if self.stats.inferences:
+            self.stats.inferences[-1].phase = "fallback"
+        log.info("record/replay: %s (sequence %s, operator %d); finishing op by op and "
+                 "recording again", why, spec.seq.seq_id, spec.pos)
+        self.recorder.sequences.pop(spec.seq.key, None)
+        self.recorder.reset()
+
+    def _match(self, expected, actual, spec, bind, j):
+        """Compare one argument with the record; Mismatch if it differs."""
+        if isinstance(expected, dict) and len(expected) == 1 and "t" in expected:
+            if not isinstance(actual, torch.Tensor):
+                raise Mismatch(f"operator {j}: a tensor argument is now {type(actual).__name__}")
+            ref = expected["t"]
+            (kind, val), = ref.items()
+            if kind == "o":
+                if not (isinstance(actual, RemoteTensor) and actual._origin is not None
+                        and actual._origin[0] is spec and list(actual._origin[1:]) == val):
+                    raise Mismatch(f"operator {j}: reads another tensor than recorded output {val}")
+                return
+            if kind == "c":
+                if isinstance(actual, RemoteTensor):
+                    if actual.handle != val:
+                        raise Mismatch(f"operator {j}: another remote tensor than the recorded constant")
+                    return
+                entry = self._uploaded.get(id(actual))
+                if entry is None or entry[0]() is not actual or entry[1] != actual._version or entry[2] != val:
+                    raise Mismatch(f"operator {j}: a constant (weight) changed or was replaced")
+                return
+            if kind == "i":
+                if isinstance(actual, RemoteTensor) and actual._pending is not None:
+                    raise Mismatch(f"operator {j}: an input is now computed inside the sequence")
+                if _meta_of(actual) != spec.seq.input_metas[val]:
+                    raise Mismatch(f"operator {j}: input {val} has shape {list(actual.shape)} {actual.dtype}")
+                prev = spec.inputs.get(val, bind.get(val))
+                if prev is not None and prev is not actual:
+                    raise Mismatch(f"operator {j}: input {val} is another tensor than before")
+                bind[val] = actual
+                return
+            raise Mismatch(f"operator {j}: unknown reference {kind}")
+        if isinstance(expected, dict) and len(expected) == 1 and "l" in expected:
+            if not isinstance(actual, (list, tuple)) or len(actual) != len(expected["l"]):
+                raise Mismatch(f"operator {j}: a list argument differs")
+            for e, a in zip(expected["l"], actual):
+                self._match(e, a, spec, bind, j)
+            return
+        if isinstance(actual, torch.Tensor):
+            raise Mismatch(f"operator {j}: a tensor where the record has a value")
+        enc = wire.encode(actual, lambda t: None)
+        if enc != expected:
+            raise Mismatch(f"operator {j}: argument {str(enc)[:40]} differs from the record {str(expected)[:40]}")
+
+    def _flush(self, why: str, want: Optional[RemoteTensor] = None, sync_op: Optional[int] = None):
+        """Send the matched but unsent operators of the speculation as one replay."""
+        spec = self._spec
+        if spec is None or spec.pos == spec.sent:
+            return None
+        seq = spec.seq
+        uploads: List[tuple] = []
+        inputs = []
+        for idx, t in sorted(spec.inputs.items()):
+            if idx in spec.inputs_sent:
+                continue
+            if isinstance(t, RemoteTensor):
+                inputs.append([idx, {"h": t.handle}])
+            else:
+                inputs.append([idx, self._upload_ref(t, uploads)])
+            spec.inputs_sent.add(idx)
+        alive = {key: r() for key, r in spec.proxies.items()}
+        alive = {key: p for key, p in alive.items() if p is not None and p._pending is not None}
+        keep = sorted(alive)
+        fetch = [key for key in keep if key in set(map(tuple, seq.prefetch)) or (want is not None and alive[key] is want)]
+        body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": spec.pos, "inputs": inputs,
+                           "keep": [list(k) for k in keep], "fetch": [list(k) for k in fetch],
+                           "sync": [sync_op] if sync_op is not None else []}}
+        if seq.seq_id not in self._defined:
+            body["define"] = {"id": seq.seq_id, "ops": seq.ops, "n_inputs": len(seq.input_metas)}
+            self._defined.add(seq.seq_id)
+        result, response = self._send(body, uploads)
+        self.stats.replays += 1
+        spec.sent = spec.pos
+        for j, k, h in result["replay"]["kept"]:
+            p = alive.get((j, k))
+            if p is not None:
+                p._cell[0] = h
+                p._pending = None
+        for key, enc in zip(fetch, response.tensors):
+            p = alive[key]
+            p._value = self._to_robot(codec.decode(enc), p)
+        if sync_op is not None:
+            return result["replay"]["rets"].get(str(sync_op))
+        return None
+
+    def _diverge(self, why: str) -> None:
+        spec = self._spec
+        if spec is None:
+            return
+        self._flush(why)
+        self._spec = None
+        self._note_divergence(spec, why)
+
+    # -- whole results ----------------------------------------------------------------------
+    def materialize_tree(self, tree):
+        return tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor) else a, tree)
+
+
+def _meta_of(t: torch.Tensor) -> dict:
+    return {"s": list(t.shape), "st": list(t.stride()), "o": int(t.storage_offset()),
+            "d": str(t.dtype).replace("torch.", "")}
+
+
+def _metas_in(tree) -> list:
+    out = []
+
+    def walk(node):
+        if isinstance(node, dict) and len(node) == 1 and "t" in node:
+            out.append(node["t"])
+        elif isinstance(node, dict) and len(node) == 1 and "l" in node:
+            for v in node["l"]:
+                walk(v)
+    walk(tree)
+    return out

@@ -1,0 +1,181 @@
+"""How intercepted operator calls travel as data (JSON), and how the server reads them back.
+
+An operator call is its name (``"aten::convolution.default"``) plus its arguments as a
+JSON tree. Tensor arguments become references (``{"t": ref}``) whose meaning the caller
+chooses (a server handle, an uploaded tensor, an output of an earlier operator of a
+replayed sequence); everything else is a plain value: numbers (non-finite floats as
+``{"f": "inf"}``), booleans, strings, ``None``, lists, and the few torch enums operators
+take (dtype, device, layout, memory format).
+
+Nothing here is executable: an operator name is resolved with attribute lookups in the
+``aten`` and ``torchvision`` operator namespaces only, after checking it against a pattern
+and a deny list (operators that touch files), and values are rebuilt from a fixed set of
+forms. A tree that is too deep, too long or of an unknown form is refused with
+:class:`WireError`.
+"""
+
+import math
+import re
+from typing import Callable
+
+import torch
+
+from robot_offload.errors import CodecError
+
+NAMESPACES = ("aten", "torchvision")
+#: Operators never run for a client: they read or write files or raw memory.
+DENIED_OPS = frozenset({"from_file", "_pin_memory", "pin_memory", "set_", "_use_cudnn_ctc_loss",
+                        "record_stream", "_nested_tensor_from_mask"})
+MAX_DEPTH = 8
+MAX_ITEMS = 4096
+MAX_STRING = 256
+_OP_NAME = re.compile(r"^([a-z]+)::([A-Za-z0-9_]+)(?:\.([A-Za-z0-9_]+))?$")
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
+_LAYOUTS = {"strided": torch.strided}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "preserve_format": torch.preserve_format, "channels_last_3d": torch.channels_last_3d}
+
+
+class WireError(CodecError):
+    """A request names an operator or holds a value that the wire format does not allow."""
+
+
+class Unsupported(Exception):
+    """An argument the wire format cannot carry (the robot runs that operator itself)."""
+
+
+def op_name(func) -> str:
+    """``aten::add.Tensor`` for an OpOverload."""
+    return f"{func._schema.name}.{func._overloadname}"
+
+
+_OP_CACHE = {}
+
+
+def resolve_op(name: str):
+    """The OpOverload called ``name``; refuses anything outside the allowed namespaces."""
+    op = _OP_CACHE.get(name)
+    if op is not None:
+        return op
+    if not isinstance(name, str) or len(name) > MAX_STRING:
+        raise WireError("operator name must be a short string")
+    m = _OP_NAME.match(name)
+    if m is None:
+        raise WireError(f"malformed operator name {name[:80]!r}")
+    ns, base, overload = m.group(1), m.group(2), m.group(3) or "default"
+    if ns not in NAMESPACES:
+        raise WireError(f"operator namespace {ns!r} not allowed; allowed: {list(NAMESPACES)}")
+    if base in DENIED_OPS:
+        raise WireError(f"operator {name!r} is not allowed")
+    if ns == "torchvision":
+        import torchvision  # noqa: F401  (registers torchvision::nms, roi_align, ...)
+    try:
+        packet = getattr(getattr(torch.ops, ns), base)
+        op = getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise WireError(f"unknown operator {name!r}") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise WireError(f"{name!r} is not an operator overload")
+    _OP_CACHE[name] = op
+    return op
+
+
+def encode(value, tensor_ref: Callable, depth: int = 0):
+    """JSON tree for an argument or return value; ``tensor_ref(t)`` gives a tensor's ref.
+    Raises :class:`Unsupported` for values the format cannot carry."""
+    if isinstance(value, torch.Tensor):
+        return {"t": tensor_ref(value)}
+    if value is None or isinstance(value, (bool, str)):
+        if isinstance(value, str) and len(value) > MAX_STRING:
+            raise Unsupported("long string argument")
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"f": repr(value)}
+    if isinstance(value, (list, tuple)):
+        if depth >= MAX_DEPTH:
+            raise Unsupported("argument nested too deeply")
+        return {"l": [encode(v, tensor_ref, depth + 1) for v in value]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).replace("torch.", "")}
+    if isinstance(value, torch.device):
+        return {"device": value.type}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).replace("torch.", "")}
+    if isinstance(value, torch.memory_format):
+        return {"mf": str(value).replace("torch.", "")}
+    raise Unsupported(f"argument of type {type(value).__name__}")
+
+
+class Decoder:
+    """Rebuilds values from JSON trees, counting items so one request cannot explode."""
+
+    def __init__(self, tensor_of: Callable, device: torch.device):
+        self.tensor_of = tensor_of
+        self.device = device
+        self.items = 0
+
+    def __call__(self, obj, depth: int = 0):
+        self.items += 1
+        if self.items > MAX_ITEMS or depth > MAX_DEPTH:
+            raise WireError("argument tree too large or too deep")
+        if obj is None or isinstance(obj, (bool, int, float)):
+            return obj
+        if isinstance(obj, str):
+            if len(obj) > MAX_STRING:
+                raise WireError("string argument too long")
+            return obj
+        if isinstance(obj, list):
+            raise WireError("bare JSON list; lists are {'l': [...]}")
+        if not isinstance(obj, dict) or len(obj) != 1:
+            raise WireError(f"malformed argument {str(obj)[:80]}")
+        (key, val), = obj.items()
+        if key == "t":
+            return self.tensor_of(val)
+        if key == "l":
+            if not isinstance(val, list):
+                raise WireError("'l' must hold a list")
+            return [self(v, depth + 1) for v in val]
+        if key == "f":
+            if val not in ("inf", "-inf", "nan"):
+                raise WireError(f"bad float {str(val)[:20]!r}")
+            return float(val)
+        table = {"dtype": _DTYPES, "layout": _LAYOUTS, "mf": _MEMORY_FORMATS}.get(key)
+        if table is not None:
+            if not isinstance(val, str) or val not in table:
+                raise WireError(f"unknown {key} {str(val)[:40]!r}")
+            return table[val]
+        if key == "device":
+            if val not in ("cpu", "cuda", "meta", "mps", "xpu"):
+                raise WireError(f"unknown device type {str(val)[:20]!r}")
+            # Every device the program names means "where the server computes".
+            return self.device
+        raise WireError(f"unknown argument form {key[:20]!r}")
+
+
+def tensor_meta(t: torch.Tensor) -> dict:
+    """What the robot needs to stand in for a server tensor."""
+    return {"s": list(t.shape), "st": list(t.stride()), "o": int(t.storage_offset()),
+            "d": str(t.dtype).replace("torch.", "")}
+
+
+def meta_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WireError(f"unknown dtype {name!r}") from None
+
+
+def tensor_ref_refs(obj, out: list) -> list:
+    """Every tensor reference in a JSON tree (depth-first order)."""
+    if isinstance(obj, dict):
+        if "t" in obj and len(obj) == 1:
+            out.append(obj["t"])
+        elif "l" in obj and len(obj) == 1 and isinstance(obj["l"], list):
+            for v in obj["l"]:
+                tensor_ref_refs(v, out)
+    return out
