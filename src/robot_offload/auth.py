@@ -278,6 +278,6 @@ class ThrottledLog:
             self._last[key] = now
             suppressed = self._suppressed.pop(key, 0)
         if suppressed:
-            msg += f" ({suppressed} more like this in the last {self.interval_s:g} s)"
+            msg += f" (and {suppressed} more like this since the last report)"
         self.logger.log(level, msg)
         return True

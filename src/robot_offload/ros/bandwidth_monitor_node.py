@@ -18,6 +18,7 @@ from robot_offload.bandwidth import PassiveEstimator, TransferSample, make_predi
 from robot_offload.errors import OffloadError
 from robot_offload.msg import BandwidthEstimate, InferenceStats
 from robot_offload.protocol import PingRequest, raise_for_status
+from robot_offload.ros.params import load_auth_secret
 from robot_offload.ros.transport import RosServiceTransport
 
 
@@ -41,7 +42,8 @@ class BandwidthMonitorNode:
         self.sub = rospy.Subscriber("stats", InferenceStats, self._on_stats, queue_size=100)
         self.transport = None
         if self.probe_period_s > 0:
-            self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"))
+            self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"),
+                                                 auth_secret=load_auth_secret())
             threading.Thread(target=self._probe_loop, name="probe", daemon=True).start()
         rospy.loginfo(f"bandwidth_monitor: predictor {predictor.name}, probes "
                       + (f"every {self.probe_period_s} s of {self.probe_bytes} B" if self.transport else "off"))

@@ -21,7 +21,7 @@ from robot_offload.frames import LatestFrame
 from robot_offload.msg import (BandwidthEstimate, InferenceResult, InferenceStats, PowerSample,
                                RobotActivity, Status)
 from robot_offload.ros import conversions as conv, logbridge
-from robot_offload.ros.params import load_params
+from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.srv import SetMode, SetModeResponse
 
@@ -34,7 +34,8 @@ class OffloadClientNode:
         self.publish_outputs = rospy.get_param("~publish_outputs", True)
         self.result_codec = rospy.get_param("~result_codec", "raw")
         use_server = rospy.get_param("~use_server", True)
-        transport = RosServiceTransport(self.server_ns) if use_server else None
+        transport = (RosServiceTransport(self.server_ns, auth_secret=load_auth_secret())
+                     if use_server else None)
         self.client = OffloadClient(self.config, transport)
         self._mode_param = rospy.resolve_name("~mode")
         rospy.set_param(self._mode_param, self.client.mode)

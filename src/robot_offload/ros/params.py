@@ -9,6 +9,9 @@ import dataclasses
 
 import rospy
 
+from robot_offload import auth
+from robot_offload.errors import ConfigError
+
 
 def load_params(config_type, **overrides):
     values = {}
@@ -25,3 +28,24 @@ def load_params(config_type, **overrides):
     rospy.loginfo("%s configuration: %s", rospy.get_name(),
                   ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()))
     return config
+
+
+def load_auth_secret():
+    """The node's shared secret for request authentication, or None (off).
+
+    From the file named by ``~auth_secret_file`` (mode 0600), else from the environment
+    variable ``ROBOT_OFFLOAD_SECRET``; never from the parameter server, which any node can
+    read and ``rosbag``/``rosparam dump`` would copy: a ``~auth_secret`` parameter is
+    refused. Logs whether authentication is on, never the secret."""
+    if rospy.has_param("~auth_secret"):
+        raise ConfigError(f"{rospy.resolve_name('~auth_secret')}: secrets do not belong on the "
+                          "parameter server; put it in a file (chmod 600) and set ~auth_secret_file")
+    path = str(rospy.get_param("~auth_secret_file", "") or "")
+    secret = auth.load_secret(path)
+    if secret is None:
+        rospy.loginfo("%s: request authentication off (no ~auth_secret_file, no $%s)",
+                      rospy.get_name(), auth.ENV_VAR)
+    else:
+        rospy.loginfo("%s: request authentication on (secret from %s)", rospy.get_name(),
+                      path or "$" + auth.ENV_VAR)
+    return secret
