@@ -75,6 +75,10 @@ class Recorder:
         self.max_ops = max_ops
         self.reset()
         self.sequences: Dict[str, Sequence] = {}
+        # start key -> how often two consecutive inferences starting that way differed: a
+        # model whose count keeps growing has no static operator sequence (detectors whose
+        # number of boxes changes what runs) and stays op by op.
+        self.differing: Dict[str, int] = {}
         self._seq_counter = 0
 
     def reset(self) -> None:
@@ -214,6 +218,7 @@ class Recorder:
                 continue
             sig_old = self._signature(comp)
             if sig_old is None or sig_old[2] != sig_new[2]:
+                self.differing[key_new] = self.differing.get(key_new, 0) + 1
                 return None
             ops, input_metas, _ = sig_new
             self._seq_counter += 1

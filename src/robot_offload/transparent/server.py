@@ -229,7 +229,7 @@ class _Run:
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
             raise _bad(f"{wire.op_name(func)} failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
         self.compute_s += time.perf_counter() - t0
-        inputs = [a for a in _leaves(args) + _leaves(list(kwargs.values())) if isinstance(a, torch.Tensor)]
+        inputs = wire.tensor_leaves(args, kwargs)
         return out, inputs
 
     def _check_size(self, func, args, kwargs):
@@ -247,10 +247,12 @@ class _Run:
 
     def encode_return(self, out, inputs):
         """The return value as a JSON tree; new tensors get handles, in-place results
-        (an input returned) are marked ``{"a": 1}``."""
+        (an input returned as it is) are ``{"a": n}``, n indexing the input tensors in
+        :func:`wire.tensor_leaves` order."""
         def ref(t):
-            if any(t is i for i in inputs):
-                return {"a": 1}
+            for n, i in enumerate(inputs):
+                if t is i:
+                    return {"a": n}
             return dict(wire.tensor_meta(t), h=self.sess.put(t))
         try:
             return wire.encode(out, ref)

@@ -34,7 +34,6 @@ one and the rest go one by one, and recording starts again. So a divergence cost
 never a wrong result.
 """
 
-import itertools
 import json
 import logging
 import threading
@@ -308,7 +307,7 @@ class RemoteSession:
 
     def _upload_ref(self, t: torch.Tensor, uploads: list) -> dict:
         entry = self._uploaded.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version:
+        if entry is not None and entry[0]() is t and entry[1] == _version_of(t):
             return {"h": entry[2]}
         for i, (u, _) in enumerate(uploads):
             if u is t:
@@ -318,22 +317,27 @@ class RemoteSession:
 
     def _digest(self, t: torch.Tensor) -> str:
         entry = self._digests.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version:
+        if entry is not None and entry[0]() is t and entry[1] == _version_of(t):
             return entry[2]
         sha = content_digest(t)
-        self._digests[id(t)] = (weakref.ref(t), t._version, sha)
+        self._digests[id(t)] = (weakref.ref(t), _version_of(t), sha)
         return sha
 
     def _send(self, req_args: dict, uploads: list, fetch_tensors: bool = True):
         """One round trip. Uploads go by digest first (big robot tensors), then by value."""
-        by_digest = [t.numel() * t.element_size() >= DIGEST_MIN_BYTES for t, _ in uploads]
+        # Weights (nn.Parameter) of some size are offered by digest: the server may hold
+        # them already. Frames and other tensors go by value at once.
+        by_digest = [isinstance(t, torch.nn.Parameter) and t.numel() * t.element_size() >= DIGEST_MIN_BYTES
+                     for t, _ in uploads]
         while True:
             specs, tensors = [], []
             for (t, _), dig in zip(uploads, by_digest):
+                digest = self._digest(t) if isinstance(t, torch.nn.Parameter) and \
+                    t.numel() * t.element_size() >= DIGEST_MIN_BYTES else ""
                 if dig:
-                    specs.append({"sha": self._digest(t)})
+                    specs.append({"sha": digest})
                 else:
-                    specs.append({"n": len(tensors), "sha": self._digest(t) if t.numel() * t.element_size() >= DIGEST_MIN_BYTES else ""})
+                    specs.append({"n": len(tensors), "sha": digest})
                     tensors.append(codec.encode(t.detach().contiguous(), f"u{len(tensors)}"))
             body = dict(req_args)
             if specs:
@@ -358,7 +362,7 @@ class RemoteSession:
             if self._generation == sess_gen:
                 self._releases.append(h)
                 self._uploaded.pop(key, None)
-        self._uploaded[key] = (weakref.ref(t, dead), t._version, h)
+        self._uploaded[key] = (weakref.ref(t, dead), _version_of(t), h)
         self.recorder.note_upload(h)
 
     def _roundtrip(self, body: dict, tensors: list):
@@ -389,19 +393,20 @@ class RemoteSession:
         """Proxies for the tensors of a server return tree; in-place returns give back the
         argument object itself."""
         _, returns_alias, _, n_returns = self._schema(func)
-        counter = itertools.count()
+        inputs = None
 
         def build(node, top_index=None):
+            nonlocal inputs
             if isinstance(node, dict) and len(node) == 1 and "t" in node:
                 meta = node["t"]
-                idx = top_index if top_index is not None else 0
-                if meta.get("a") and idx < len(returns_alias) and returns_alias[idx] is not None:
-                    obj = self._arg(args, kwargs, returns_alias[idx])
-                    if isinstance(obj, RemoteTensor):
-                        obj._value = None
-                    next(counter)
+                if "a" in meta:       # the operator returned one of its inputs
+                    if inputs is None:
+                        inputs = wire.tensor_leaves(args, kwargs)
+                    obj = inputs[meta["a"]]
+                    if isinstance(obj, RemoteTensor) and top_index is not None \
+                            and top_index < len(returns_alias) and returns_alias[top_index] is not None:
+                        obj._value = None     # written in place: cached values are stale
                     return obj
-                next(counter)
                 return RemoteTensor(self, meta, None if from_record else meta.get("h"))
             if isinstance(node, dict) and len(node) == 1 and "l" in node:
                 return [build(v) for v in node["l"]]
@@ -531,7 +536,7 @@ class RemoteSession:
                     root = False
                 return r
             entry = self._uploaded.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1] == t._version:
+            if entry is not None and entry[0]() is t and entry[1] == _version_of(t):
                 return ("up", entry[2], _meta_of(t))
             return ("up", -1, _meta_of(t))
         try:
@@ -567,7 +572,7 @@ class RemoteSession:
         out = self._decode_return(func, args, kwargs, ret, from_record=True)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, RemoteTensor)]
         for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret))):
-            if not m.get("a"):
+            if "a" not in m:
                 t._pending = t._origin = (spec, j, k)
                 spec.proxies[(j, k)] = weakref.ref(t)
         spec.pos = j + 1
@@ -635,7 +640,7 @@ class RemoteSession:
                         raise Mismatch(f"operator {j}: another remote tensor than the recorded constant")
                     return
                 entry = self._uploaded.get(id(actual))
-                if entry is None or entry[0]() is not actual or entry[1] != actual._version or entry[2] != val:
+                if entry is None or entry[0]() is not actual or entry[1] != _version_of(actual) or entry[2] != val:
                     raise Mismatch(f"operator {j}: a constant (weight) changed or was replaced")
                 return
             if kind == "i":
@@ -710,9 +715,24 @@ class RemoteSession:
         self._spec = None
         self._note_divergence(spec, why)
 
+    @property
+    def not_static(self) -> bool:
+        """True once inferences keep differing (3 times without an identified sequence):
+        the program's operator sequence is not static and it runs op by op."""
+        return not self.recorder.sequences and max(self.recorder.differing.values(), default=0) >= 3
+
     # -- whole results ----------------------------------------------------------------------
     def materialize_tree(self, tree):
         return tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor) else a, tree)
+
+
+def _version_of(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter; inference tensors have none (-1): they can
+    only be modified inside inference mode, where the change is not seen."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _meta_of(t: torch.Tensor) -> dict:

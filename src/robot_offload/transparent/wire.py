@@ -179,3 +179,19 @@ def tensor_ref_refs(obj, out: list) -> list:
             for v in obj["l"]:
                 tensor_ref_refs(v, out)
     return out
+
+
+def tensor_leaves(args, kwargs) -> list:
+    """The tensors of an operator call, depth first, positional then keyword arguments in
+    their order: how an in-place or pass-through result names the input it returns."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    walk(list(args))
+    walk(list(kwargs.values()))
+    return out
