@@ -281,6 +281,9 @@ def _decode_uploads(server: OffloadServer, sess: Session, req: ComputeRequest, s
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):
             raise _bad("each upload is an object")
+        if "of" in spec:
+            tensors.append(_view_upload(sess, tensors, i, spec))
+            continue
         n, digest = spec.get("n", -1), spec.get("sha", "")
         if not isinstance(n, int) or not isinstance(digest, str) or len(digest) > 64:
             raise _bad("upload fields: n (int), sha (hex string)")
@@ -298,6 +301,32 @@ def _decode_uploads(server: OffloadServer, sess: Session, req: ComputeRequest, s
         else:
             raise _bad(f"upload {i}: neither a tensor index nor a digest")
     return tensors, missing
+
+
+def _view_upload(sess: Session, earlier: list, i: int, spec: dict) -> Optional[torch.Tensor]:
+    """``{"of": ref, "view": [shape, stride, offset]}``: a view of a tensor the session holds
+    or of an earlier upload of this request (as_strided checks it stays inside the storage)."""
+    ref, view = spec.get("of"), spec.get("view")
+    if not isinstance(ref, dict) or len(ref) != 1 or not isinstance(view, list) or len(view) != 3:
+        raise _bad(f"upload {i}: a view needs 'of' (reference) and 'view' [shape, stride, offset]")
+    shape, stride, offset = view
+    if (not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride)
+            or len(shape) > codec.MAX_DIMS or not isinstance(offset, int) or offset < 0
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + stride)):
+        raise _bad(f"upload {i}: malformed view geometry")
+    (kind, val), = ref.items()
+    if kind == "h":
+        base = sess.get(val)
+    elif kind == "u" and isinstance(val, int) and 0 <= val < i:
+        base = earlier[val]
+        if base is None:
+            return None       # its base is missing (digest unknown): resent with data
+    else:
+        raise _bad(f"upload {i}: a view refers to an earlier upload or a handle")
+    try:
+        return base.as_strided(shape, stride, offset)
+    except RuntimeError as e:
+        raise _bad(f"upload {i}: view outside its base: {str(e).splitlines()[0][:200]}") from None
 
 
 @executor(ENTRY, needs_model=False)

@@ -184,6 +184,7 @@ class RemoteSession:
         self.frame_stats = None           # a FrameStats to account calls into, if any
         self._lock = threading.RLock()
         self._schema_cache: Dict[object, tuple] = {}
+        self._static_cache: Dict[tuple, bool] = {}
         self.reset()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -220,7 +221,9 @@ class RemoteSession:
         with self._lock:
             flat, _ = tree_flatten((args, kwargs))
             remote = any(isinstance(a, RemoteTensor) for a in flat)
-            if not remote and not any(isinstance(a, torch.nn.Parameter) for a in flat):
+            if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
+                # Robot tensors only, and no weight -- or a view of a weight, which must stay
+                # a view of robot memory (programs write through views: YOLO's bias init).
                 self.stats.ops_local += 1
                 return func(*args, **kwargs)
             if self._writes_robot_tensor(func, args, kwargs):
@@ -256,7 +259,9 @@ class RemoteSession:
                             break
                 returns_alias.append(src)
             sync = any(str(r.type) not in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns)
-            info = (written, returns_alias, sync, len(schema.returns))
+            is_view = bool(schema.returns) and all(
+                r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            info = (written, returns_alias, sync, len(schema.returns), is_view)
             self._schema_cache[func] = info
         return info
 
@@ -268,7 +273,7 @@ class RemoteSession:
         return kwargs.get(name)
 
     def _writes_robot_tensor(self, func, args, kwargs) -> bool:
-        written, _, _, _ = self._schema(func)
+        written, _, _, _, _ = self._schema(func)
         for pn in written:
             v = self._arg(args, kwargs, pn)
             for t in (v if isinstance(v, (list, tuple)) else [v]):
@@ -305,14 +310,37 @@ class RemoteSession:
             self._record(func, name, a_tree, k_tree, ret, out, args, kwargs)
         return out
 
+    @staticmethod
+    def _cache_key(t: torch.Tensor):
+        """(key, owner) of a robot tensor in the upload cache. A view of a contiguous robot
+        tensor (``weight.t()`` in every Linear call, ``bias.view(...)``) is keyed by its base
+        and its view geometry, so a fresh view object of the same weight hits the cache."""
+        base = t._base
+        if base is not None and base.dtype == t.dtype and base.is_contiguous() and base._base is None:
+            return (id(base), tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset()), base
+        return (id(t),), t
+
+    def _cached_handle(self, t: torch.Tensor):
+        key, owner = self._cache_key(t)
+        entry = self._uploaded.get(key)
+        if entry is not None and entry[0]() is owner and entry[1] == _version_of(owner):
+            return entry[2]
+        return None
+
     def _upload_ref(self, t: torch.Tensor, uploads: list) -> dict:
-        entry = self._uploaded.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == _version_of(t):
-            return {"h": entry[2]}
+        h = self._cached_handle(t)
+        if h is not None:
+            return {"h": h}
         for i, (u, _) in enumerate(uploads):
             if u is t:
                 return {"u": i}
-        uploads.append((t, {}))
+        key, owner = self._cache_key(t)
+        if owner is not t:
+            # Upload the base once; the server makes the view (as_strided) without a copy.
+            base_ref = self._upload_ref(owner, uploads)
+            uploads.append((t, {"of": base_ref, "view": [list(t.shape), list(t.stride()), key[3]]}))
+        else:
+            uploads.append((t, {}))
         return {"u": len(uploads) - 1}
 
     def _digest(self, t: torch.Tensor) -> str:
@@ -331,7 +359,10 @@ class RemoteSession:
                      for t, _ in uploads]
         while True:
             specs, tensors = [], []
-            for (t, _), dig in zip(uploads, by_digest):
+            for (t, extra), dig in zip(uploads, by_digest):
+                if extra:
+                    specs.append(extra)
+                    continue
                 digest = self._digest(t) if isinstance(t, torch.nn.Parameter) and \
                     t.numel() * t.element_size() >= DIGEST_MIN_BYTES else ""
                 if dig:
@@ -355,14 +386,14 @@ class RemoteSession:
             return result, response
 
     def _remember_upload(self, t: torch.Tensor, h: int) -> None:
-        key = id(t)
+        key, owner = self._cache_key(t)
         sess_gen = self._generation
 
         def dead(_, key=key, h=h):
             if self._generation == sess_gen:
                 self._releases.append(h)
                 self._uploaded.pop(key, None)
-        self._uploaded[key] = (weakref.ref(t, dead), _version_of(t), h)
+        self._uploaded[key] = (weakref.ref(owner, dead), _version_of(owner), h)
         self.recorder.note_upload(h)
 
     def _roundtrip(self, body: dict, tensors: list):
@@ -392,7 +423,7 @@ class RemoteSession:
     def _decode_return(self, func, args, kwargs, ret, from_record: bool = False):
         """Proxies for the tensors of a server return tree; in-place returns give back the
         argument object itself."""
-        _, returns_alias, _, n_returns = self._schema(func)
+        _, returns_alias, _, n_returns, _ = self._schema(func)
         inputs = None
 
         def build(node, top_index=None):
@@ -456,8 +487,7 @@ class RemoteSession:
         """Recorder reference for a tensor argument of an operator being recorded."""
         if isinstance(t, RemoteTensor):
             return self.recorder.ref_of_handle(t.handle)
-        entry = self._uploaded.get(id(t))
-        return ("up", entry[2], _meta_of(t))
+        return ("up", self._cached_handle(t), _meta_of(t))
 
     def _record(self, func, name, a_tree, k_tree, ret, out, args, kwargs):
         def rec(node, value):
@@ -470,24 +500,34 @@ class RemoteSession:
         k_rec = {k: rec(v, kwargs[k]) for k, v in k_tree.items()}
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         metas = [_meta_of(t) for t in out_tensors]
-        _, _, value_return, _ = self._schema(func)
+        _, _, value_return, _, _ = self._schema(func)
         sync = value_return or not self._shapes_static(func, args, kwargs, metas)
         op = RecordedOp(name, a_rec, k_rec, metas, ret, sync)
         # In-place results ({"a": 1}) produce no new tensor: their producer stays the same.
         self.recorder.add(op, [m.get("h") for m in _metas_in(ret)])
 
     def _shapes_static(self, func, args, kwargs, metas) -> bool:
-        """Whether the output shapes follow from the input shapes (the meta kernel agrees
-        with the server); if not, the operator is a sync point of its sequence."""
+        """Whether the output shapes follow from the input shapes alone: the operator's meta
+        kernel computes them without data. If it cannot (``nonzero``, ``unique``, boolean
+        masks, NMS), the operator is a sync point of its sequence: replaying stops there
+        and the real shapes are compared with the record. (Where a meta kernel runs but
+        reports other auxiliary shapes than the CPU kernel -- ``native_batch_norm``'s saved
+        statistics in eval mode -- the shapes still depend on input shapes only.)"""
+        key = (func, tuple((tuple(a.shape), a.dtype) for a in tree_flatten((args, kwargs))[0]
+                           if isinstance(a, torch.Tensor)))
+        known = self._static_cache.get(key)
+        if known is not None:
+            return known
         try:
             m_args, m_kwargs = tree_map(
                 lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
                 if isinstance(a, torch.Tensor) else a, (args, kwargs))
-            out = func(*m_args, **m_kwargs)
+            func(*m_args, **m_kwargs)
+            static = True
         except Exception:  # noqa: BLE001 - no meta kernel or data-dependent output shape
-            return False
-        got = [_meta_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return [(m["s"], m["d"]) for m in got] == [(m["s"], m["d"]) for m in metas]
+            static = False
+        self._static_cache[key] = static
+        return static
 
     def _record_replay(self, func, args, kwargs):
         name = wire.op_name(func)
@@ -535,10 +575,8 @@ class RemoteSession:
                 if r[0] == "op":
                     root = False
                 return r
-            entry = self._uploaded.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1] == _version_of(t):
-                return ("up", entry[2], _meta_of(t))
-            return ("up", -1, _meta_of(t))
+            h = self._cached_handle(t)
+            return ("up", -1 if h is None else h, _meta_of(t))
         try:
             a = wire.encode(list(args), ref)
             k = {kk: wire.encode(v, ref) for kk, v in kwargs.items()}
@@ -639,8 +677,7 @@ class RemoteSession:
                     if actual.handle != val:
                         raise Mismatch(f"operator {j}: another remote tensor than the recorded constant")
                     return
-                entry = self._uploaded.get(id(actual))
-                if entry is None or entry[0]() is not actual or entry[1] != _version_of(actual) or entry[2] != val:
+                if self._cached_handle(actual) != val:
                     raise Mismatch(f"operator {j}: a constant (weight) changed or was replaced")
                 return
             if kind == "i":

@@ -1,0 +1,121 @@
+"""Run an unmodified Python program with its PyTorch operators offloaded.
+
+    rosrun robot_offload transparent [options] -- python my_app.py [its arguments]
+    rosrun robot_offload transparent [options] -- python -m my_package.app [its arguments]
+    python -m robot_offload.transparent --inproc -- python my_app.py     (no ROS: in-process server)
+
+The program runs in this interpreter (``runpy``), as ``__main__``, with its own
+``sys.argv``, while a :class:`~robot_offload.transparent.session.Interceptor` is active on
+the main thread: nothing in the program changes. The ROS transport calls the offload
+server's services without initialising a node, so a program that is itself a ROS node
+calls ``rospy.init_node`` as usual.
+
+At exit the launcher prints a one-line summary (round trips, bytes, replays, divergences)
+to stderr and, with ``--stats-out``, writes the session's counters as JSON.
+"""
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+
+from robot_offload.transparent.session import MODES, RemoteSession
+
+PYTHONS = ("python", "python3", os.path.basename(sys.executable))
+
+
+def split_command(argv):
+    """(launcher options, program command) from ``[options] -- python prog args``."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def run_program(command, session: RemoteSession) -> int:
+    """Run ``command`` (``[python] script.py args`` or ``[python] -m module args``) under
+    interception; returns its exit status."""
+    if command and command[0] in PYTHONS:
+        command = command[1:]
+    if not command:
+        raise SystemExit("transparent: no program given; usage: transparent [options] -- python app.py [args]")
+    if command[0].endswith(("sh", "bash")) or (not command[0].endswith(".py") and command[0] != "-m"
+                                                and not os.path.isfile(command[0])):
+        raise SystemExit(f"transparent: only Python programs can be intercepted, got {command[0]!r}")
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    status = 0
+    try:
+        with session:
+            if command[0] == "-m":
+                if len(command) < 2:
+                    raise SystemExit("transparent: -m needs a module name")
+                sys.argv = [command[1]] + command[2:]
+                runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(command)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
+                runpy.run_path(command[0], run_name="__main__")
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return status
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="transparent", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=MODES, default="record_replay",
+                    help="record_replay (RRTO, default) or transparent (one request per operator)")
+    ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
+    ap.add_argument("--inproc", action="store_true", help="run the server in this process (no ROS; for tests)")
+    ap.add_argument("--timeout-s", type=float, default=30.0, help="deadline of one server call (s)")
+    ap.add_argument("--auth-secret-file", default="", help="shared secret for signed requests (file, 0600)")
+    ap.add_argument("--stats-out", default="", help="write the session counters here (JSON)")
+    return ap
+
+
+def main(argv=None, make_call=None) -> int:
+    """``make_call(args) -> (call(request, timeout_s), close())``; default: ROS services
+    (or the in-process server with ``--inproc``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options, command = split_command(argv)
+    args = make_parser().parse_args(options)
+    call, close = (make_call or _default_call)(args)
+    session = RemoteSession(call, mode=args.mode, timeout_s=args.timeout_s)
+    t0 = time.perf_counter()
+    try:
+        status = run_program(command, session)
+    finally:
+        close()
+    s = session.stats
+    print(f"[transparent] mode={args.mode} round_trips={s.round_trips} bytes_up={s.bytes_up} "
+          f"bytes_down={s.bytes_down} ops_remote={s.ops_remote} ops_replayed={s.ops_replayed} "
+          f"replays={s.replays} divergences={s.divergences} sequences={s.sequences_identified} "
+          f"not_static={session.not_static} wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
+    if args.stats_out:
+        with open(args.stats_out, "w") as f:
+            json.dump(dict(s.summary(), mode=args.mode, not_static=session.not_static), f, indent=1)
+    return status
+
+
+def _default_call(args):
+    from robot_offload.auth import load_secret
+    secret = load_secret(args.auth_secret_file)     # the file, else $ROBOT_OFFLOAD_SECRET
+    if args.inproc:
+        from robot_offload.server import OffloadServer, ServerConfig
+        from robot_offload.transport.inproc import InProcessTransport
+        transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    else:
+        from robot_offload.ros.transport import RosServiceTransport   # rospy only when used
+        transport = RosServiceTransport(args.server_ns)
+    if secret:
+        transport.set_auth_secret(secret)
+
+    def call(request, timeout_s):
+        return transport.call("compute", request, timeout_s)
+    return call, transport.close
