@@ -128,14 +128,23 @@ class ServerLink:
         self.device = response.device
 
     def _probe_loop(self) -> None:
-        while not self._stop.wait(self.retry_interval_s):
+        # Pings start every retry_interval_s, not retry_interval_s after the last one
+        # ended: a ping lost in a dead link's queue times out after retry_interval_s and
+        # the next one leaves at once, so recovery is noticed within about one interval.
+        next_at = self.clock() + self.retry_interval_s
+        while not self._stop.wait(max(0.0, next_at - self.clock())):
             if self._up.is_set() or self._refused:
                 return
+            next_at = self.clock() + self.retry_interval_s
             try:
                 ping = self.transport.call("ping", PingRequest(client_id=self.client_id),
                                            max(self.retry_interval_s, 0.2))
                 raise_for_status(ping.status, ping.status_text)
-                self._load(self.load_timeout_s)
+                # A server that still holds the model answers a load at once: do not let
+                # one lost packet on a flaky link hold the prober for load_timeout_s.
+                loaded = self.model in (ping.loaded_models or ())
+                self._load(min(self.load_timeout_s, max(4 * self.retry_interval_s, 2.0))
+                           if loaded else self.load_timeout_s)
             except (TransportError, OffloadError) as e:
                 self.last_error = str(e)
                 if isinstance(e, Unauthorized):

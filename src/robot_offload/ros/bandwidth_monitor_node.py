@@ -18,6 +18,7 @@ from robot_offload.bandwidth import PassiveEstimator, TransferSample, make_predi
 from robot_offload.errors import OffloadError
 from robot_offload.msg import BandwidthEstimate, InferenceStats
 from robot_offload.protocol import PingRequest, raise_for_status
+from robot_offload.ros import logbridge
 from robot_offload.ros.params import load_auth_secret
 from robot_offload.ros.transport import RosServiceTransport
 
@@ -28,6 +29,7 @@ def _nan(v):
 
 class BandwidthMonitorNode:
     def __init__(self):
+        logbridge.cache_rosout_flag()
         self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
         self.probe_period_s = float(rospy.get_param("~probe_period_s", 0.0))
         self.probe_bytes = int(rospy.get_param("~probe_bytes", 256 * 1024))

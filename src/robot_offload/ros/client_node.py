@@ -101,6 +101,10 @@ class OffloadClientNode:
         return conv.pointcloud2_to_xyzi(msg)
 
     def _run(self):
+        try:
+            rospy.loginfo(f"local model warmed up in {self.client.warm_up():.2f} s")
+        except Exception as e:  # noqa: BLE001 - only an optimisation
+            rospy.logwarn(f"local warm-up failed: {type(e).__name__}: {e}")
         while not rospy.is_shutdown():
             item = self.slot.get(timeout_s=0.2)
             if item is None:
