@@ -238,6 +238,8 @@ class _Run:
         try:
             meta_args = _to_meta(args)
             meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+            if any(a.name == "device" for a in func._schema.arguments):
+                meta_kwargs["device"] = torch.device("meta")     # factories: no allocation
             with torch.inference_mode():
                 out = func(*meta_args, **meta_kwargs)
         except Exception:  # noqa: BLE001 - data-dependent shapes or no meta kernel: run it

@@ -4,8 +4,11 @@
 the program calls reaches :meth:`RemoteSession.dispatch` -- the Python counterpart of the
 paper's LD_PRELOAD shim around the CUDA runtime. An operator runs on the server when one
 of its tensors already lives there (a :class:`RemoteTensor` proxy) or is a model weight
-(``nn.Parameter``); everything else (building the input, bookkeeping) runs on the robot as
-before. A proxy has the shape, strides and dtype of the server tensor and no storage;
+(``nn.Parameter``) -- what a CUDA program would have put on the GPU; the program's own
+tensor work (building the input, bookkeeping, factories) runs on the robot as before, and
+its results are uploaded when an offloaded operator reads them. Views of robot tensors
+stay robot-side views even of weights (a program may write through them; the server gets
+the view's base once and makes the same view). A proxy has the shape, strides and dtype of the server tensor and no storage;
 reading its values (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.item()``, printing, a
 branch on a value) downloads it -- the counterpart of ``cudaMemcpyDtoH``. Operators that
 write into a robot tensor run on the robot, after downloading their remote arguments.
@@ -222,8 +225,9 @@ class RemoteSession:
             flat, _ = tree_flatten((args, kwargs))
             remote = any(isinstance(a, RemoteTensor) for a in flat)
             if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
-                # Robot tensors only, and no weight -- or a view of a weight, which must stay
-                # a view of robot memory (programs write through views: YOLO's bias init).
+                # Robot tensors only and no weight: the program's own work (building the
+                # input, bookkeeping) stays on the robot; and a view of a weight stays a view
+                # of robot memory (programs write through them: YOLO's bias initialisation).
                 self.stats.ops_local += 1
                 return func(*args, **kwargs)
             if self._writes_robot_tensor(func, args, kwargs):
