@@ -1,0 +1,395 @@
+"""Soak test: many inferences through every mode, a server crash in the middle, and a
+check that the client process does not leak memory, threads or file descriptors.
+
+::
+
+    python -m robot_offload.soak --inferences 10000 --switch-every 100 --restart-at 5000
+
+With ``--transport ros`` (default) it starts its own ``roscore`` on a free port and a real
+``offload_server`` node (``rosrun robot_offload offload_server``), and runs an
+:class:`~robot_offload.client.OffloadClient` in this process as a rospy node over the same
+persistent service connections as ``offload_client``; the restart is a crash (SIGKILL of the
+server node, nothing unregisters) followed by a fresh node. ``--transport inproc`` uses an
+in-process :class:`~robot_offload.server.OffloadServer` (replaced by a new object at the
+restart) and no ROS at all. rospy is imported only for ``--transport ros``.
+
+The mode changes every ``--switch-every`` inferences, cycling through
+``robot_offload.backends.modes()``. Before the counted inferences each mode runs
+``--warmup-per-mode`` times (profiles, graph captures, caches and thread pools are made
+then); the baseline is taken after that. At the end (and after the client is idle again)
+RSS, open file descriptors and OS threads of this process are compared with the baseline,
+and likewise for each server instance (ROS only) from its first answered request to its
+end. Exit status 1 if RSS grew by more than ``--max-rss-growth-mb`` or the thread or fd
+count grew at all (``--max-thread-growth`` / ``--max-fd-growth``), or if an output was
+malformed; 2 for bad arguments or an environment that cannot run it.
+"""
+
+import argparse
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+from robot_offload import auth, backends
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.errors import ConfigError
+
+log = logging.getLogger("robot_offload.soak")
+
+
+# -- process figures ---------------------------------------------------------------------------
+def proc_figures(pid="self") -> dict:
+    """RSS (MB), open file descriptors and OS threads of a process, from /proc."""
+    status = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024.0,
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": int(status["Threads"])}
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {"rss_mb": round(b["rss_mb"] - a["rss_mb"], 1), "fds": b["fds"] - a["fds"],
+            "threads": b["threads"] - a["threads"]}
+
+
+# -- servers -------------------------------------------------------------------------------------
+class InProcServer:
+    """An OffloadServer object behind an InProcessTransport; restart = a new object."""
+
+    def __init__(self, secret):
+        from robot_offload.server import OffloadServer, ServerConfig
+        from robot_offload.transport.inproc import InProcessTransport
+        self._make = lambda: OffloadServer(ServerConfig(device="cpu"), auth_secret=secret)
+        self.transport = InProcessTransport(self._make(), auth_secret=secret)
+        self.instances = []
+
+    def restart(self):
+        self.transport.server = None          # crash: calls fail while it is gone
+        time.sleep(0.5)
+        self.transport.server = self._make()
+
+    def figures(self):
+        return None
+
+    def close(self):
+        self.transport.close()
+
+
+class RosServer:
+    """roscore on a free port and an offload_server node; restart = SIGKILL + a new node."""
+
+    def __init__(self, secret_file, workdir, threads=0):
+        import rospy  # ROS only from here on
+        self.workdir = workdir
+        self.threads = threads
+        self.secret_file = secret_file
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
+        os.environ.setdefault("ROS_HOME", os.path.join(workdir, "ros_home"))
+        os.environ.setdefault("ROS_LOG_DIR", os.path.join(os.environ["ROS_HOME"], "log"))
+        self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_master()
+        rospy.init_node("soak_client", anonymous=True, disable_signals=True)
+        from robot_offload.ros import logbridge
+        logbridge.cache_rosout_flag()
+        self.node = None
+        self.instances = []          # per server node: figures at first answer and at its end
+        self._start()
+        try:
+            rospy.wait_for_service("/offload_server/load_model", timeout=120)
+        except rospy.ROSException as e:
+            raise RuntimeError(f"offload_server did not come up: {e}; see server.log") from None
+        from robot_offload.ros.transport import RosServiceTransport
+        self.transport = RosServiceTransport("/offload_server",
+                                             auth_secret=auth.load_secret(secret_file or ""))
+
+    def _log(self, name):
+        return open(os.path.join(self.workdir, f"{name}.log"), "a")
+
+    def _wait_master(self, timeout_s=60):
+        import rosgraph
+        end = time.monotonic() + timeout_s
+        while not rosgraph.is_master_online():
+            if time.monotonic() > end or self.core.poll() is not None:
+                raise RuntimeError("roscore did not start; see roscore.log")
+            time.sleep(0.2)
+
+    def _start(self):
+        argv = ["rosrun", "robot_offload", "offload_server", "_device:=cpu", "_preload:=[]"]
+        if self.secret_file:
+            argv.append(f"_auth_secret_file:={self.secret_file}")
+        env = dict(os.environ)
+        if self.threads:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        self.node = subprocess.Popen(argv, stdout=self._log("server"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+        self.instances.append({"pid": self.node.pid, "baseline": None, "end": None})
+
+    def note_server(self, baseline=False):
+        """Record the current server node's figures as its latest (``baseline``: as the
+        point its growth is measured from: after it has served every mode once)."""
+        inst = self.instances[-1]
+        try:
+            fig = proc_figures(self._node_pid())
+        except (OSError, KeyError):
+            return
+        if baseline:
+            inst["baseline"] = fig
+        inst["end"] = fig
+
+    def _node_pid(self):
+        # rosrun execs the node script, so the Popen's pid is the node's.
+        return self.node.pid
+
+    def restart(self):
+        self.note_server()
+        os.kill(self.node.pid, signal.SIGKILL)
+        self.node.wait(10)
+        self._start()
+
+    def figures(self):
+        return self.instances
+
+    def close(self):
+        self.transport.close()
+        for proc in (self.node, self.core):
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    proc.wait(15)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+# -- the run -------------------------------------------------------------------------------------
+def _check_output(out) -> bool:
+    return isinstance(out, torch.Tensor) and out.ndim == 2 and bool(torch.isfinite(out).all())
+
+
+def run(args) -> dict:
+    start = proc_figures()
+    modes = args.modes or backends.modes()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="robot_offload_soak-")
+    os.makedirs(workdir, exist_ok=True)
+    secret = auth.load_secret(args.auth_secret_file or "")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    server = (RosServer(args.auth_secret_file, workdir, args.threads) if args.transport == "ros"
+              else InProcServer(secret))
+    cfg = ClientConfig(model=args.model, mode="local", input_size=tuple(args.input_size),
+                       timeout_s=args.timeout_s, profile_dir=os.path.join(workdir, "profiles"),
+                       load_timeout_s=120.0, num_threads=args.threads)
+    client = OffloadClient(cfg, server.transport)
+    executed = defaultdict(Counter)
+    errors = Counter()
+    bad_outputs = 0
+    max_err = defaultdict(float)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn((1, 3, *args.input_size), generator=gen) for _ in range(8)]
+    with torch.inference_mode():
+        references = [client.model(x) for x in inputs]
+    try:
+        if not client.connect(120):
+            raise RuntimeError(f"server not reachable: {client.link.last_error}")
+
+        served_since_restart = set()
+        after_restart = Counter()
+        restart_t = resume_s = None
+
+        def infer(i, mode):
+            nonlocal bad_outputs, resume_s
+            if client.mode != mode:
+                client.set_mode(mode)
+            k = i % len(inputs)
+            out, stats = client.infer(inputs[k])
+            executed[mode][stats.executed_mode] += 1
+            served_since_restart.add(stats.executed_mode)
+            if restart_t is not None:
+                after_restart[stats.executed_mode] += 1
+                if resume_s is None and stats.executed_mode != "local":
+                    resume_s = time.monotonic() - restart_t
+            if stats.fallback_reason:
+                errors[stats.fallback_reason.split(":")[0]] += 1
+            if not _check_output(out) or out.shape != references[k].shape:
+                bad_outputs += 1
+            else:
+                ref = references[k]
+                err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+                max_err[stats.executed_mode] = max(max_err[stats.executed_mode], err)
+
+        t0 = time.perf_counter()
+        for mode in modes:                         # warm-up, not counted
+            for i in range(args.warmup_per_mode):
+                infer(i, mode)
+        # the prober's ping connection is opened at the first outage otherwise
+        from robot_offload.protocol import PingRequest
+        server.transport.call("ping", PingRequest(client_id=cfg.client_id), 10.0)
+        if hasattr(server, "note_server"):
+            server.note_server(baseline=True)
+        gc.collect()
+        baseline = proc_figures()
+        warmup_s = time.perf_counter() - t0
+        log.info("warm-up done in %.1f s: %s", warmup_s, baseline)
+        t0 = time.perf_counter()
+        restarted = False
+        new_server_warm = False
+        for i in range(args.inferences):
+            mode = modes[(i // args.switch_every) % len(modes)]
+            if args.restart_at is not None and i == args.restart_at and not restarted:
+                log.info("inference %d: restarting the server (crash)", i)
+                server.restart()
+                restarted = True
+                restart_t = time.monotonic()
+                served_since_restart.clear()
+            if args.rate_hz:
+                time.sleep(max(0.0, t0 + i / args.rate_hz - time.perf_counter()))
+            infer(i, mode)
+            if (restarted and not new_server_warm and hasattr(server, "note_server")
+                    and served_since_restart >= set(modes)):
+                server.note_server(baseline=True)      # the new server has served every mode
+                new_server_warm = True
+            if args.progress and (i + 1) % args.progress == 0:
+                log.info("%d/%d inferences, %.1f s, %s", i + 1, args.inferences,
+                         time.perf_counter() - t0, proc_figures())
+        run_s = time.perf_counter() - t0
+        # Let the client settle (prober done, calls finished) before the final figures.
+        end_wait = time.monotonic() + 10
+        while client.link is not None and not client.link.available and time.monotonic() < end_wait:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        gc.collect()
+        end = proc_figures()
+        if hasattr(server, "note_server"):
+            server.note_server()
+    finally:
+        client.close()
+        server.close()
+
+    growth = _delta(baseline, end)
+    failures = []
+    if growth["rss_mb"] > args.max_rss_growth_mb:
+        failures.append(f"RSS grew by {growth['rss_mb']} MB (limit {args.max_rss_growth_mb})")
+    if growth["threads"] > args.max_thread_growth:
+        failures.append(f"threads grew by {growth['threads']}")
+    if growth["fds"] > args.max_fd_growth:
+        failures.append(f"open fds grew by {growth['fds']}")
+    servers = []
+    for n, inst in enumerate(server.figures() or []):
+        if inst["baseline"] and inst["end"]:
+            d = _delta(inst["baseline"], inst["end"])
+            servers.append({"instance": n, "baseline": inst["baseline"], "end": inst["end"], "growth": d})
+            if d["rss_mb"] > args.max_rss_growth_mb:
+                failures.append(f"server instance {n}: RSS grew by {d['rss_mb']} MB")
+    if bad_outputs:
+        failures.append(f"{bad_outputs} malformed outputs")
+    offloading = [m for m in modes if m != "local"]
+    never = [m for m in offloading if executed[m].get(m, 0) == 0]
+    if never:
+        failures.append(f"modes that never ran on the server: {never}")
+    offloaded_after = sum(n for m, n in after_restart.items() if m != "local")
+    if args.restart_at is not None and offloading and not offloaded_after:
+        failures.append("offloading never resumed after the server restart")
+    return {
+        "transport": args.transport, "model": args.model, "input_size": list(args.input_size),
+        "inferences": args.inferences, "switch_every": args.switch_every, "restart_at": args.restart_at,
+        "modes": modes, "warmup_s": round(warmup_s, 1), "run_s": round(run_s, 1),
+        "inferences_per_s": round(args.inferences / run_s, 1) if run_s else None,
+        "start": start, "baseline": baseline, "end": end, "growth": growth, "servers": servers,
+        "executed": {m: dict(c) for m, c in executed.items()},
+        "fallback_reasons": dict(errors.most_common(10)),
+        "after_restart": dict(after_restart),
+        "resume_after_restart_s": None if resume_s is None else round(resume_s, 2),
+        "max_relative_error": {m: round(e, 6) for m, e in max_err.items()},
+        "bad_outputs": bad_outputs, "failures": failures, "ok": not failures,
+        "workdir": workdir,
+    }
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _size(text):
+    parts = [int(p) for p in text.replace("x", ",").split(",") if p]
+    if len(parts) != 2 or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"expected H,W, got {text!r}")
+    return parts
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m robot_offload.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--inferences", type=_positive_int, default=10000)
+    p.add_argument("--switch-every", type=_positive_int, default=100, help="inferences per mode")
+    p.add_argument("--restart-at", type=int, default=None, help="inference index at which the server crashes and restarts")
+    p.add_argument("--modes", nargs="+", default=None, help="default: every registered mode")
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--input-size", type=_size, default=[32, 32], help="H,W (default 32,32)")
+    p.add_argument("--rate-hz", type=float, default=0.0,
+                   help="pace the inferences like a camera (0: back to back)")
+    p.add_argument("--timeout-s", type=float, default=2.0, help="the client's per-frame deadline")
+    p.add_argument("--transport", choices=("ros", "inproc"), default="ros")
+    p.add_argument("--auth-secret-file", default="", help="sign requests (server and client) with this secret file")
+    p.add_argument("--warmup-per-mode", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of client and server (0: torch's default; 1 keeps two processes "
+                        "from fighting over a small machine's cores)")
+    p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    p.add_argument("--max-thread-growth", type=int, default=0)
+    p.add_argument("--max-fd-growth", type=int, default=0)
+    p.add_argument("--progress", type=int, default=1000, help="log every N inferences (0: never)")
+    p.add_argument("--workdir", default="", help="logs and profiles (default: a new temp dir)")
+    p.add_argument("--out", default="", help="also write the JSON report here")
+    args = p.parse_args(argv)
+    if args.restart_at is not None and not 0 <= args.restart_at < args.inferences:
+        p.error(f"--restart-at must be within [0, {args.inferences})")
+    unknown = [m for m in args.modes or () if m not in backends.modes()]
+    if unknown:
+        p.error(f"unknown modes {unknown}; known: {backends.modes()}")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("robot_offload.server").setLevel(logging.ERROR)
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except (ConfigError, RuntimeError, OSError) as e:
+        print(f"soak: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    g = report["growth"]
+    print(f"soak: {args.inferences} inferences in {report['run_s']} s; RSS {report['baseline']['rss_mb']:.1f} -> "
+          f"{report['end']['rss_mb']:.1f} MB ({g['rss_mb']:+} MB), threads {report['baseline']['threads']} -> "
+          f"{report['end']['threads']}, fds {report['baseline']['fds']} -> {report['end']['fds']}: "
+          + ("OK" if report["ok"] else "FAILED: " + "; ".join(report["failures"])), file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
