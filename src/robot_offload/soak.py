@@ -43,7 +43,11 @@ from robot_offload import auth, backends
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 
-log = logging.getLogger("robot_offload.soak")
+
+
+def _say(msg: str) -> None:
+    """Progress on stderr (rospy.init_node reconfigures logging, so not via logging)."""
+    print(f"{time.strftime('%H:%M:%S')} soak: {msg}", file=sys.stderr, flush=True)
 
 
 # -- process figures ---------------------------------------------------------------------------
@@ -247,14 +251,14 @@ def run(args) -> dict:
         gc.collect()
         baseline = proc_figures()
         warmup_s = time.perf_counter() - t0
-        log.info("warm-up done in %.1f s: %s", warmup_s, baseline)
+        _say(f"warm-up done in {warmup_s:.1f} s: {baseline}")
         t0 = time.perf_counter()
         restarted = False
         new_server_warm = False
         for i in range(args.inferences):
             mode = modes[(i // args.switch_every) % len(modes)]
             if args.restart_at is not None and i == args.restart_at and not restarted:
-                log.info("inference %d: restarting the server (crash)", i)
+                _say(f"inference {i}: restarting the server (SIGKILL, then a new one)")
                 server.restart()
                 restarted = True
                 restart_t = time.monotonic()
@@ -267,8 +271,8 @@ def run(args) -> dict:
                 server.note_server(baseline=True)      # the new server has served every mode
                 new_server_warm = True
             if args.progress and (i + 1) % args.progress == 0:
-                log.info("%d/%d inferences, %.1f s, %s", i + 1, args.inferences,
-                         time.perf_counter() - t0, proc_figures())
+                _say(f"{i + 1}/{args.inferences} inferences, {time.perf_counter() - t0:.1f} s, "
+                     f"{proc_figures()}")
         run_s = time.perf_counter() - t0
         # Let the client settle (prober done, calls finished) before the final figures.
         end_wait = time.monotonic() + 10
