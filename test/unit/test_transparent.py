@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -232,3 +233,35 @@ def test_server_can_refuse_transparent_sessions():
     server = OffloadServer(ServerConfig(device="cpu", transparent=False))
     resp = server.handle("compute", _ops_request({"ops": []}))
     assert resp.status == StatusCode.UNAUTHORIZED
+
+
+def test_launcher_session_survives_server_loss_and_resumes():
+    """With local_fallback (the launcher), a server that disappears mid-program costs no
+    result: proxies are recomputed on the robot from their recipes, operators run locally
+    while the server is gone, and offloading resumes once a probe reaches it again."""
+    torch.manual_seed(0)
+    net = _Net().eval()
+    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    server = transport.server
+    sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
+                         local_fallback=True, retry_interval_s=0.05, timeout_s=2.0)
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(1, 3, 8, 8)
+            ref = net(x)
+            with sess:
+                h = torch.relu(net.a(x))          # remote
+                if i in (4, 8):
+                    transport.server = None       # the server dies mid-inference
+                y = net.b(h.mean(dim=(2, 3))).cpu()
+            torch.testing.assert_close(y, ref)
+            if i in (4, 8):
+                assert sess.down.is_set()
+                remote_before = sess.stats.ops_remote
+                transport.server = server         # and comes back
+                deadline = time.monotonic() + 5
+                while sess.down.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert not sess.down.is_set()
+    assert sess.stats.server_losses == 2
+    assert sess.stats.ops_remote + sess.stats.ops_replayed > remote_before

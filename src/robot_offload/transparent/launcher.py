@@ -73,7 +73,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help="record_replay (RRTO, default) or transparent (one request per operator)")
     ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
     ap.add_argument("--inproc", action="store_true", help="run the server in this process (no ROS; for tests)")
-    ap.add_argument("--timeout-s", type=float, default=30.0, help="deadline of one server call (s)")
+    ap.add_argument("--timeout-s", type=float, default=30.0,
+                    help="deadline of one server call (s); past it the program goes on on the robot")
+    ap.add_argument("--retry-interval-s", type=float, default=0.5,
+                    help="how often a lost server is probed (s)")
     ap.add_argument("--auth-secret-file", default="", help="shared secret for signed requests (file, 0600)")
     ap.add_argument("--stats-out", default="", help="write the session counters here (JSON)")
     return ap
@@ -86,7 +89,8 @@ def main(argv=None, make_call=None) -> int:
     options, command = split_command(argv)
     args = make_parser().parse_args(options)
     call, close = (make_call or _default_call)(args)
-    session = RemoteSession(call, mode=args.mode, timeout_s=args.timeout_s)
+    session = RemoteSession(call, mode=args.mode, timeout_s=args.timeout_s, local_fallback=True,
+                            retry_interval_s=args.retry_interval_s)
     t0 = time.perf_counter()
     try:
         status = run_program(command, session)
@@ -96,6 +100,7 @@ def main(argv=None, make_call=None) -> int:
     print(f"[transparent] mode={args.mode} round_trips={s.round_trips} bytes_up={s.bytes_up} "
           f"bytes_down={s.bytes_down} ops_remote={s.ops_remote} ops_replayed={s.ops_replayed} "
           f"replays={s.replays} divergences={s.divergences} sequences={s.sequences_identified} "
+          f"server_losses={s.server_losses} "
           f"not_static={session.not_static} wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
     if args.stats_out:
         with open(args.stats_out, "w") as f:

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from robot_offload import codec
-from robot_offload.errors import OffloadError
+from robot_offload.errors import OffloadError, RemoteError, TransportError
 from robot_offload.protocol import ComputeRequest, raise_for_status
 from robot_offload.transparent import wire
 from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence
@@ -79,7 +79,8 @@ class RemoteTensor(torch.Tensor):
             cls, meta["s"], strides=meta["st"], storage_offset=meta.get("o", 0),
             dtype=wire.meta_dtype(meta["d"]), device="cpu", requires_grad=False)
         t._session = session
-        t._cell = [handle]            # server handle, filled later for replayed outputs
+        t._cell = [handle, session._generation]   # server handle (filled later for replayed
+        t._recipe = None              # outputs) and the session generation it belongs to
         t._pending = None             # (speculation, j, k) while only the record knows it
         t._origin = None              # (speculation, j, k) of a replayed output, for matching
         t._value = None               # downloaded values (a plain tensor)
@@ -143,6 +144,7 @@ class SessionStats:
     ops_remote: int = 0
     ops_local: int = 0
     ops_replayed: int = 0
+    server_losses: int = 0
     replays: int = 0
     divergences: int = 0
     sequences_identified: int = 0
@@ -174,7 +176,8 @@ class RemoteSession:
     """
 
     def __init__(self, call, mode: str = "record_replay", client_id: str = "",
-                 timeout_s: float = 10.0, output_codec: str = "raw"):
+                 timeout_s: float = 10.0, output_codec: str = "raw", local_fallback: bool = False,
+                 retry_interval_s: float = 0.5):
         if mode not in MODES:
             raise OffloadError(f"unknown transparent mode {mode!r}; known: {list(MODES)}")
         self._call = call
@@ -188,6 +191,16 @@ class RemoteSession:
         self._lock = threading.RLock()
         self._schema_cache: Dict[object, tuple] = {}
         self._static_cache: Dict[tuple, bool] = {}
+        # local_fallback (the launcher): when the server fails, finish the program on the
+        # robot -- remote values are recomputed from each proxy's recipe -- and offload
+        # again once a background probe reaches the server. Without it (the client's
+        # backends) failures propagate: OffloadClient recomputes the frame locally.
+        self.local_fallback = local_fallback
+        self.retry_interval_s = retry_interval_s
+        self.down = threading.Event()
+        self.last_error = ""
+        self._prober: Optional[threading.Thread] = None
+        self._generation = 0
         self.reset()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -200,10 +213,11 @@ class RemoteSession:
         self._spec: Optional[_Speculation] = None
         self._defined = set()
         self.recorder = Recorder()
-        self._generation = getattr(self, "_generation", 0) + 1
+        self._generation += 1
 
     def _forget(self, cell) -> None:
-        if cell[0] is not None and getattr(self, "_releases", None) is not None:
+        # Handles of an older generation (before a reset) mean nothing to the new session.
+        if cell[0] is not None and cell[1] == self._generation:
             self._releases.append(cell[0])
 
     def __enter__(self):
@@ -223,6 +237,11 @@ class RemoteSession:
     def dispatch(self, func, args, kwargs):
         with self._lock:
             flat, _ = tree_flatten((args, kwargs))
+            if any(isinstance(a, RemoteTensor) and a._cell[1] != self._generation for a in flat):
+                # Proxies from before a reset: their server tensors are gone; recompute.
+                args, kwargs = tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor)
+                                        and a._cell[1] != self._generation else a, (args, kwargs))
+                flat, _ = tree_flatten((args, kwargs))
             remote = any(isinstance(a, RemoteTensor) for a in flat)
             if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
                 # Robot tensors only and no weight: the program's own work (building the
@@ -230,11 +249,67 @@ class RemoteSession:
                 # of robot memory (programs write through them: YOLO's bias initialisation).
                 self.stats.ops_local += 1
                 return func(*args, **kwargs)
-            if self._writes_robot_tensor(func, args, kwargs):
+            if self._writes_robot_tensor(func, args, kwargs) or self.down.is_set():
                 return self._run_locally(func, args, kwargs)
-            if self.mode == "record_replay":
-                return self._record_replay(func, args, kwargs)
-            return self._transparent(func, args, kwargs)
+            try:
+                if self.mode == "record_replay":
+                    return self._record_replay(func, args, kwargs)
+                return self._transparent(func, args, kwargs)
+            except (TransportError, RemoteError) as e:
+                if not self.local_fallback:
+                    raise
+                self._server_lost(e)
+            return self._run_locally(func, args, kwargs)
+
+    # -- server loss (local_fallback) --------------------------------------------------
+    def _server_lost(self, error) -> None:
+        """Forget the server's state, compute on the robot, probe in the background."""
+        self.last_error = f"{type(error).__name__}: {error}"
+        log.warning("offload server lost (%s): computing on the robot until it answers again",
+                    self.last_error)
+        self.stats.server_losses += 1
+        self._spec = None
+        self.reset()
+        self.down.set()
+        if self._prober is None or not self._prober.is_alive():
+            self._prober = threading.Thread(target=self._probe, name="transparent-prober", daemon=True)
+            self._prober.start()
+
+    def _probe(self) -> None:
+        while self.down.is_set():
+            time.sleep(self.retry_interval_s)
+            req = ComputeRequest(client_id=self.client_id, model="", entry=ENTRY, args_json="{}",
+                                 session=self.session_id)
+            try:
+                raise_for_status(*_status_of(self._call(req, max(self.retry_interval_s, 0.5))))
+            except (TransportError, RemoteError):
+                continue
+            log.info("offload server answers again: offloading from the next operator")
+            self.down.clear()
+
+    def _attach_recipe(self, func, args, kwargs, out) -> None:
+        """Remember how each output proxy was computed (the call, with proxy arguments
+        replaced by their own recipes -- never by the proxies, which must stay free to be
+        released), so its values can be recomputed on the robot if the server is lost."""
+        def ingredient(a):
+            if isinstance(a, RemoteTensor):
+                return _Ingredient(a._recipe) if a._recipe is not None else a._value
+            return a
+        r_args, r_kwargs = tree_map(ingredient, (list(args), kwargs))
+        if any(isinstance(a, RemoteTensor) for a in tree_flatten((r_args, r_kwargs))[0]):
+            return
+        recipe = _Recipe(func, r_args, r_kwargs)
+        for k, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+            if isinstance(t, RemoteTensor):
+                t._recipe = (recipe, k)
+
+    def _recompute(self, t: "RemoteTensor") -> torch.Tensor:
+        if t._recipe is None:
+            raise OffloadError("a remote tensor whose server is gone cannot be recomputed "
+                               "(no recipe; was local_fallback off?)")
+        recipe, k = t._recipe
+        memo = {}
+        return self._to_robot(recipe.evaluate(memo)[k].clone(), t)
 
     def _run_locally(self, func, args, kwargs):
         self._end_speculation_before_local()
@@ -310,6 +385,8 @@ class RemoteSession:
         self.stats.ops_remote += 1
         ret = result["ops"][0]
         out = self._decode_return(func, args, kwargs, ret)
+        if self.local_fallback:
+            self._attach_recipe(func, args, kwargs, out)
         if record:
             self._record(func, name, a_tree, k_tree, ret, out, args, kwargs)
         return out
@@ -460,21 +537,34 @@ class RemoteSession:
         with self._lock:
             if t._value is not None:
                 return t._value
-            if t._pending is not None:
-                self._flush("the program reads a value", want=t)
-                if t._value is not None:
-                    return t._value
-            if t.handle is None:
-                raise OffloadError("a remote tensor of a failed or reset session was read")
-            _, response = self._send({"fetch": [t.handle]}, [])
-            if self.mode == "record_replay":
-                self.recorder.note_fetch(t.handle)
-                if t._origin is not None:   # read after a replay: prefetch it next time
-                    seq = t._origin[0].seq
-                    if tuple(t._origin[1:]) not in set(map(tuple, seq.prefetch)):
-                        seq.prefetch.append(tuple(t._origin[1:]))
-            t._value = self._to_robot(codec.decode(response.tensors[0]), t)
-            return t._value
+            if self.local_fallback and (self.down.is_set() or t._cell[1] != self._generation):
+                t._value = self._recompute(t)
+                return t._value
+            try:
+                return self._download(t)
+            except (TransportError, RemoteError) as e:
+                if not self.local_fallback:
+                    raise
+                self._server_lost(e)
+                t._value = self._recompute(t)
+                return t._value
+
+    def _download(self, t):
+        if t._pending is not None:
+            self._flush("the program reads a value", want=t)
+            if t._value is not None:
+                return t._value
+        if t.handle is None:
+            raise OffloadError("a remote tensor of a failed or reset session was read")
+        _, response = self._send({"fetch": [t.handle]}, [])
+        if self.mode == "record_replay":
+            self.recorder.note_fetch(t.handle)
+            if t._origin is not None:   # read after a replay: prefetch it next time
+                seq = t._origin[0].seq
+                if tuple(t._origin[1:]) not in set(map(tuple, seq.prefetch)):
+                    seq.prefetch.append(tuple(t._origin[1:]))
+        t._value = self._to_robot(codec.decode(response.tensors[0]), t)
+        return t._value
 
     @staticmethod
     def _to_robot(value: torch.Tensor, proxy: RemoteTensor) -> torch.Tensor:
@@ -612,6 +702,8 @@ class RemoteSession:
         # Answer from the record.
         ret = seq.rets[j]
         out = self._decode_return(func, args, kwargs, ret, from_record=True)
+        if self.local_fallback:
+            self._attach_recipe(func, args, kwargs, out)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, RemoteTensor)]
         for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret))):
             if "a" not in m:
@@ -792,3 +884,41 @@ def _metas_in(tree) -> list:
                 walk(v)
     walk(tree)
     return out
+
+
+class _Ingredient:
+    """A recipe argument: output ``k`` of another recipe."""
+    __slots__ = ("ref",)
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+class _Recipe:
+    """One intercepted call, replayable on the robot (see ``_attach_recipe``)."""
+    __slots__ = ("func", "args", "kwargs", "__weakref__")
+
+    def __init__(self, func, args, kwargs):
+        self.func, self.args, self.kwargs = func, args, kwargs
+
+    def evaluate(self, memo: dict) -> list:
+        """The call's tensor outputs, recomputed on the robot (shared ancestors once)."""
+        hit = memo.get(id(self))
+        if hit is not None:
+            return hit[1]
+
+        def value(a):
+            if isinstance(a, _Ingredient):
+                recipe, k = a.ref
+                return recipe.evaluate(memo)[k]
+            return a
+        args, kwargs = tree_map(value, (self.args, self.kwargs),
+                                is_leaf=lambda a: isinstance(a, _Ingredient))
+        out = self.func(*args, **kwargs)
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        memo[id(self)] = (self, tensors)
+        return tensors
+
+
+def _status_of(response):
+    return response.status, response.status_text
