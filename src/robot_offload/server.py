@@ -54,10 +54,12 @@ class ServerConfig:
     auth_max_skew_s: float = auth.DEFAULT_MAX_SKEW_S  # with a secret: token age / clock difference (s)
     weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
     transparent: bool = True             # accept per-operator sessions (transparent, record_replay)
-    max_session_bytes: int = 2 * 1024 ** 3  # tensors one transparent session may hold (bytes)
+    max_session_mib: int = 2048          # tensors one transparent session may hold (MiB; XML-RPC ints are 32-bit)
     max_sessions: int = 16               # transparent sessions kept (least recently used dropped)
 
     def validate(self) -> "ServerConfig":
+        if self.max_session_mib <= 0 or self.max_sessions <= 0:
+            raise ConfigError("max_session_mib and max_sessions must be positive")
         if self.max_request_bytes <= 0 or self.max_input_elements <= 0:
             raise ConfigError("max_request_bytes and max_input_elements must be positive")
         if not self.auth_max_skew_s > 0:

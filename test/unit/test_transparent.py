@@ -222,7 +222,7 @@ def _ops_request(args, tensors=(), session="s1"):
      StatusCode.BAD_REQUEST),
 ])
 def test_server_refuses_bad_ops_requests(args, code):
-    server = OffloadServer(ServerConfig(device="cpu", max_session_bytes=64 * 1024 * 1024))
+    server = OffloadServer(ServerConfig(device="cpu", max_session_mib=64))
     resp = server.handle("compute", _ops_request(args))
     assert resp.status == code, resp.status_text
     ok = server.handle("compute", _ops_request({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [2]}]}, "k": {}}]}))

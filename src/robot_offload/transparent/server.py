@@ -128,7 +128,7 @@ class Session:
     def check_budget(self, extra: int) -> None:
         if self.bytes + extra > self.max_bytes:
             raise RequestRejected(StatusCode.TOO_LARGE, f"session would hold {self.bytes + extra} bytes; "
-                                  f"max_session_bytes is {self.max_bytes}")
+                                  f"max_session_mib is {self.max_bytes // 2 ** 20}")
 
 
 class _State:
@@ -161,7 +161,7 @@ def _session(server: OffloadServer, req: ComputeRequest) -> Session:
     with st.lock:
         sess = st.sessions.get(key)
         if sess is None:
-            sess = st.sessions[key] = Session(server.config.max_session_bytes)
+            sess = st.sessions[key] = Session(server.config.max_session_mib * 2 ** 20)
             while len(st.sessions) > server.config.max_sessions:
                 st.sessions.popitem(last=False)
         st.sessions.move_to_end(key)
