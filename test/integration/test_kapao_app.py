@@ -39,3 +39,35 @@ def test_kapao_tracking_launch_flows_and_switches_mode(launch):
     finally:
         for s in subs:
             s.unregister()
+
+
+def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
+    """kapao_repo:=<checkout> runs the checkout's own code (here the stand-in fixture with
+    KAPAO's layout) in the kapao_repo node, its model offloaded by record_replay, and the
+    tracker consumes its poses; the mode switches through the parameter server."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+    from test_kapao_repo import REPO, make_weights
+    weights = make_weights(str(tmp_path / "kapao_w.pt"))
+    launch.start("kapao_people_tracking.launch", f"kapao_repo:={os.path.abspath(REPO)}",
+                 f"kapao_weights:={weights}", "kapao_imgsz:=128", "rate_hz:=4", "timeout_s:=10.0")
+    stats, people = [], []
+    subs = [rospy.Subscriber("/kapao_repo/stats", InferenceStats, stats.append, queue_size=50),
+            rospy.Subscriber("/person_tracker/people", People, people.append, queue_size=50)]
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not any(m.phase == "replaying" for m in stats):
+            time.sleep(0.2)
+        replayed = [m for m in stats if m.phase == "replaying"]
+        assert replayed, [(m.phase, m.round_trips, m.fallback_reason) for m in stats[-5:]]
+        assert all(m.round_trips <= 2 and m.executed_mode == "record_replay" for m in replayed)
+        assert people, "the tracker published nothing from the kapao_repo poses"
+        subprocess.run(["rosparam", "set", "/kapao_repo/mode", "transparent"], check=True, timeout=20)
+        t_switch, n = time.monotonic(), len(stats)
+        while time.monotonic() < t_switch + 60 and not any(m.phase == "transparent" for m in stats[n:]):
+            time.sleep(0.2)
+        assert any(m.phase == "transparent" and m.round_trips > 20 for m in stats[n:])
+    finally:
+        for s in subs:
+            s.unregister()

@@ -8,12 +8,13 @@ keeps one target with a constant-velocity Kalman filter and publishes ``~target`
 
 import threading
 
+import numpy as np
 import rospy
 from geometry_msgs.msg import Point, PointStamped
 from sensor_msgs.msg import CameraInfo, Image
 
 from robot_offload import codec, structure
-from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES, decode_poses, rescale_poses
+from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES, Pose, decode_poses, rescale_poses
 from robot_offload.apps.tracking import CameraIntrinsics, PersonTracker, TrackerConfig
 from robot_offload.msg import InferenceResult, People, Person
 from robot_offload.ros.conversions import tensor_from_msg
@@ -40,7 +41,13 @@ class TrackerNode:
         self.people_pub = rospy.Publisher("~people", People, queue_size=10)
         rospy.Subscriber("depth", Image, self._on_depth, queue_size=1, buff_size=2 ** 24)
         rospy.Subscriber("camera_info", CameraInfo, self._on_info, queue_size=1)
-        rospy.Subscriber("result", InferenceResult, self._on_result, queue_size=1, buff_size=2 ** 26)
+        # ~input: "result" (offload_client's raw KAPAO output: decoded here) or "people"
+        # (poses already decoded by another node, e.g. kapao_repo running the real KAPAO code)
+        self.input = rospy.get_param("~input", "result")
+        if self.input == "people":
+            rospy.Subscriber("people_in", People, self._on_people, queue_size=1)
+        else:
+            rospy.Subscriber("result", InferenceResult, self._on_result, queue_size=1, buff_size=2 ** 26)
 
     def _on_depth(self, msg):
         with self._lock:
@@ -52,7 +59,7 @@ class TrackerNode:
 
     def _on_result(self, msg):
         with self._lock:
-            depth, info = self._depth, self._info
+            info = self._info
         if info is None:
             rospy.logwarn_throttle(5.0, "person_tracker: waiting for camera_info")
             return
@@ -61,12 +68,28 @@ class TrackerNode:
         pred = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
         poses = rescale_poses(decode_poses(pred, self.conf_pose, self.conf_kp, self.iou),
                               self.model_input_hw, (info.height, info.width))
-        people = People(header=msg.header, target_index=-1, track_status="none")
-        people.header.frame_id = info.header.frame_id or msg.header.frame_id
+        self._track(msg.header, poses)
+
+    def _on_people(self, msg):
+        """Poses decoded elsewhere, in image pixels (pixel centres at integers)."""
+        poses = [Pose(box_xyxy=np.asarray(p.box_xyxy, dtype=np.float64), score=float(p.score),
+                      keypoints=np.stack([np.asarray(p.keypoints_u), np.asarray(p.keypoints_v),
+                                          np.asarray(p.keypoints_conf)], axis=1).astype(np.float64))
+                 for p in msg.people if len(p.keypoints_u)]
+        self._track(msg.header, poses)
+
+    def _track(self, header, poses):
+        with self._lock:
+            depth, info = self._depth, self._info
+        if info is None:
+            rospy.logwarn_throttle(5.0, "person_tracker: waiting for camera_info")
+            return
+        people = People(header=header, target_index=-1, track_status="none")
+        people.header.frame_id = info.header.frame_id or header.frame_id
         positions = [None] * len(poses)
         if depth is not None:
             intrinsics = CameraIntrinsics.from_camera_info_k(info.K)
-            result, positions = self.tracker.update_from_poses(msg.header.stamp.to_sec(), poses, depth, intrinsics)
+            result, positions = self.tracker.update_from_poses(header.stamp.to_sec(), poses, depth, intrinsics)
             people.track_status = result.status.value
             if result.target_index is not None:
                 people.target_index = int(result.target_index)

@@ -1,0 +1,92 @@
+"""kapao_repo: the real KAPAO code (a local checkout) on camera images, its model offloaded
+with the transparent or record_replay mode (or run locally), publishing the poses.
+
+Parameters: ``~kapao_repo`` (path of the checkout), ``~weights`` (e.g. kapao_l_coco.pt),
+``~data`` (data yaml, relative to the checkout; ``data/coco-kp.yaml``), ``~imgsz`` (1280),
+``~mode`` (``record_replay`` | ``transparent`` | ``local``; read every frame, so
+``rosparam set`` switches it), ``~server_ns``, ``~timeout_s`` (deadline of one server call;
+past it the frame finishes on the robot), ``~conf_thres``, ``~conf_thres_kp``,
+``~auth_secret_file``. Subscribes ``image`` (sensor_msgs/Image); publishes ``~people``
+(People: poses in image pixels, no tracking -- person_tracker with ``~input: people`` adds
+depth, projection and the Kalman filter) and ``~stats`` (InferenceStats).
+"""
+
+import time
+
+import rospy
+from sensor_msgs.msg import Image
+
+from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES
+from robot_offload.apps.kapao_repo import KapaoRepoRunner
+from robot_offload.frames import LatestFrame
+from robot_offload.msg import InferenceStats, People, Person
+from robot_offload.ros import conversions as conv
+from robot_offload.ros.params import load_auth_secret
+from robot_offload.ros.transport import RosServiceTransport
+from robot_offload.stats import FrameStats
+from robot_offload.transparent.session import MODES, RemoteSession
+
+ALL_MODES = ("local",) + MODES
+
+
+class KapaoRepoNode:
+    def __init__(self):
+        self.runner = KapaoRepoRunner(
+            rospy.get_param("~kapao_repo"), rospy.get_param("~weights"),
+            data=rospy.get_param("~data", "data/coco-kp.yaml"), imgsz=int(rospy.get_param("~imgsz", 1280)),
+            conf_thres=float(rospy.get_param("~conf_thres", 0.5)),
+            conf_thres_kp=float(rospy.get_param("~conf_thres_kp", 0.5)))
+        self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"))
+        secret = load_auth_secret()
+        if secret:
+            self.transport.set_auth_secret(secret)
+        timeout_s = float(rospy.get_param("~timeout_s", 5.0))
+        self.sessions = {m: RemoteSession(lambda r, t: self.transport.call("compute", r, t), mode=m,
+                                          timeout_s=timeout_s, local_fallback=True) for m in MODES}
+        from cv_bridge import CvBridge
+        self.bridge = CvBridge()
+        self.slot = LatestFrame()
+        self.processed = 0
+        self.people_pub = rospy.Publisher("~people", People, queue_size=10)
+        self.stats_pub = rospy.Publisher("~stats", InferenceStats, queue_size=50)
+        rospy.Subscriber("image", Image, self.slot.put, queue_size=1, buff_size=2 ** 25)
+
+    def spin(self):
+        while not rospy.is_shutdown():
+            item = self.slot.get(timeout_s=0.5)
+            if item is not None:
+                self.process(item[0])
+
+    def process(self, msg):
+        mode = rospy.get_param("~mode", "record_replay")
+        if mode not in ALL_MODES:
+            rospy.logwarn_throttle(5.0, f"kapao_repo: unknown mode {mode!r}; known: {list(ALL_MODES)}")
+            mode = "local"
+        image = self.bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
+        session = self.sessions.get(mode)
+        stats = FrameStats(mode=mode, model="kapao_repo")
+        t0 = time.perf_counter()
+        n_before = len(session.stats.inferences) if session else 0
+        losses = session.stats.server_losses if session else 0
+        poses, stats = self.runner(image, session=session, stats=stats)
+        stats.processing_s = time.perf_counter() - t0
+        stats.executed_mode = mode
+        if session is not None:
+            if session.stats.server_losses > losses or session.down.is_set():
+                stats.executed_mode, stats.fallback_reason = "local", session.last_error
+            new = session.stats.inferences[n_before:]
+            stats.phase = ("transparent" if mode == "transparent" else
+                           "replaying" if new and all(i.phase == "replaying" for i in new) else
+                           "fallback" if any(i.phase == "fallback" for i in new) else "recording")
+        people = People(header=msg.header, target_index=-1, track_status="none")
+        for p in poses:
+            kp = p.keypoints
+            people.people.append(Person(score=float(p.score), box_xyxy=[float(v) for v in p.box_xyxy],
+                                        keypoint_names=list(COCO_KEYPOINT_NAMES[:len(kp)]),
+                                        keypoints_u=kp[:, 0].tolist(), keypoints_v=kp[:, 1].tolist(),
+                                        keypoints_conf=kp[:, 2].tolist(), has_position=False))
+        self.people_pub.publish(people)
+        self.processed += 1
+        latency_s = (rospy.Time.now() - msg.header.stamp).to_sec()
+        self.stats_pub.publish(conv.stats_to_msg(stats, msg.header, latency_s,
+                                                 (self.slot.received, self.processed, self.slot.dropped, 0)))
