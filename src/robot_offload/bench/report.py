@@ -119,6 +119,14 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
     md = [f"# Benchmark\n\n`{command}`\n", "## Set-up\n"] + [f"- {n}" for n in runner.notes]
     md += ["- traces: " + ", ".join(f"{t.name} (mean {t.mean_bps / 1e6:.1f} Mbit/s"
                                      f"{', synthetic' if t.synthetic else ''})" for t in traces)]
+    rtts = {}
+    for r in frames:
+        if r.get("request_rtt_ms") == r.get("request_rtt_ms") and "request_rtt_ms" in r:
+            rtts.setdefault(r["trace"], []).append(r["request_rtt_ms"])
+    if rtts:
+        md += ["- request round-trip time (empty Ping over the client's persistent ROS service "
+               "connection, robot to server, measured after each run; median over runs): "
+               + ", ".join(f"{t} {float(np.median(v)):.2f} ms" for t, v in rtts.items())]
     md += [f"- lost frames (no stats within the driver's timeout): {len(lost)}", "",
            "## Results (medians unless p95; fps = frames / span, closed loop)\n",
            markdown_table(summary), "", "## Physical-limit check\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]

@@ -103,6 +103,30 @@ class Driver:
         return rows if record else []
 
 
+def request_rtt_ms(server_ns: str, n: int = 20) -> float:
+    """Median time of an empty Ping over the same persistent ROS service connection the
+    client uses: the per-request cost a transparent mode pays per operator (ms)."""
+    import statistics
+    from robot_offload.auth import load_secret
+    from robot_offload.errors import OffloadError
+    from robot_offload.protocol import PingRequest, raise_for_status
+    from robot_offload.ros.transport import RosServiceTransport
+    transport = RosServiceTransport(server_ns)
+    transport.set_auth_secret(load_secret(""))
+    times = []
+    try:
+        for _ in range(n + 2):
+            t0 = time.perf_counter()
+            r = transport.call("ping", PingRequest(client_id="bench-rtt"), 2.0)
+            raise_for_status(r.status, r.status_text)
+            times.append(time.perf_counter() - t0)
+    except OffloadError:
+        return float("nan")
+    finally:
+        transport.close()
+    return 1e3 * statistics.median(times[2:]) if len(times) > 2 else float("nan")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mode", required=True)
@@ -118,6 +142,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--frame-timeout-s", type=float, default=30.0)
     ap.add_argument("--no-go", action="store_true", help="do not wait for a line on stdin")
+    ap.add_argument("--server-ns", default="/offload_server")
     args = ap.parse_args(rospy.myargv(argv if argv is not None else sys.argv)[1:])
 
     rospy.init_node("bench_driver", anonymous=True, disable_signals=True)
@@ -136,6 +161,9 @@ def main(argv=None):
         sys.stdin.readline()
     t_origin = time.monotonic()
     rows = d.run_frames(args.frames, record=True, t_origin=t_origin)
+    rtt_ms = request_rtt_ms(args.server_ns)
+    for row in rows:
+        row["request_rtt_ms"] = rtt_ms
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
