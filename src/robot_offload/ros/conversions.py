@@ -107,7 +107,8 @@ def stats_to_msg(stats, header, latency_s: float, counters) -> InferenceStats:
         energy_j=stats.energy_j if stats.energy_j is not None else math.nan,
         energy_modelled=stats.energy_modelled, predicted_bandwidth_bps=stats.predicted_bandwidth_bps,
         frames_received=received, frames_processed=processed, frames_dropped=dropped,
-        fallbacks=fallbacks)
+        fallbacks=fallbacks,
+        replay_divergences=int(stats.extra.get("transparent", {}).get("divergences_total", 0)))
 
 
 _PF_DTYPES = {PointField.INT8: "i1", PointField.UINT8: "u1", PointField.INT16: "i2",

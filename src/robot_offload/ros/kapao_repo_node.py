@@ -74,6 +74,7 @@ class KapaoRepoNode:
         if session is not None:
             if session.stats.server_losses > losses or session.down.is_set():
                 stats.executed_mode, stats.fallback_reason = "local", session.last_error
+            stats.extra["transparent"] = {"divergences_total": session.stats.divergences}
             new = session.stats.inferences[n_before:]
             stats.phase = ("transparent" if mode == "transparent" else
                            "replaying" if new and all(i.phase == "replaying" for i in new) else
