@@ -48,7 +48,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from robot_offload import codec
 from robot_offload.errors import OffloadError, RemoteError, TransportError
