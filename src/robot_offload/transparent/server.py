@@ -68,7 +68,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class Sequence:
     """A defined operator sequence, with the last use of every output (to free early)."""
 
-    def __init__(self, ops: List[dict], n_inputs: int):
+    def __init__(self, ops: List[dict], n_inputs: int, device: torch.device):
         self.ops = ops
         self.n_inputs = n_inputs
         self.resolved = [wire.resolve_op(op["op"]) for op in ops]
@@ -88,6 +88,34 @@ class Sequence:
                         raise _bad(f"sequence op {j}: input reference {val} out of range")
                 elif kind != "c":
                     raise _bad(f"sequence op {j}: reference kind {kind!r} not allowed in a sequence")
+        # Decoded once: each replay only puts tensors into the slots (no JSON walk per op).
+        self.templates = []
+        for op in ops:
+            dec = wire.Decoder(_Slot, device)
+            args = dec(op.get("a")) if op.get("a") is not None else []
+            kwargs_tree = op.get("k") or {}
+            if not isinstance(args, list) or not isinstance(kwargs_tree, dict) or len(kwargs_tree) > 64:
+                raise _bad("sequence op: args must be {'l': [...]} and kwargs an object")
+            self.templates.append((args, {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}))
+        self.free_at: List[List[tuple]] = [[] for _ in ops]
+        for key, j in self.last_use.items():
+            self.free_at[j].append(key)
+
+
+class _Slot:
+    """Where a replay puts a tensor (a reference of a defined sequence)."""
+    __slots__ = ("ref",)
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+def _fill(obj, tensor_of):
+    if type(obj) is _Slot:
+        return tensor_of(obj.ref)
+    if type(obj) is list:
+        return [_fill(o, tensor_of) for o in obj]
+    return obj
 
 
 class Session:
@@ -220,17 +248,21 @@ class _Run:
             raise _bad("args must be {'l': [...]}")
         if check_size:
             self._check_size(func, args, kwargs)
+        with torch.inference_mode():
+            out = self.invoke(func, args, kwargs)
+        return out, wire.tensor_leaves(args, kwargs)
+
+    def invoke(self, func, args, kwargs):
+        """Run one operator; its failures are the request's (BAD_REQUEST), not the server's."""
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                out = func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
             raise
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
             raise _bad(f"{wire.op_name(func)} failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from e
         self.compute_s += time.perf_counter() - t0
-        inputs = wire.tensor_leaves(args, kwargs)
-        return out, inputs
+        return out
 
     def _check_size(self, func, args, kwargs):
         """Refuse an operator whose outputs would not fit in the session's budget, using
@@ -362,7 +394,7 @@ def _execute(server: OffloadServer, sess: Session, req: ComputeRequest, args: di
         result["uploaded"].append(h)
     run = _Run(server, sess, uploads)
     if "define" in args:
-        _define(sess, args["define"])
+        _define(sess, args["define"], server.device)
     fetched: List[torch.Tensor] = []
     if "replay" in args:
         result["replay"] = _replay(run, args["replay"], fetched)
@@ -386,7 +418,7 @@ def _execute(server: OffloadServer, sess: Session, req: ComputeRequest, args: di
                            server_compute_s=run.compute_s)
 
 
-def _define(sess: Session, spec) -> None:
+def _define(sess: Session, spec, device: torch.device) -> None:
     if not isinstance(spec, dict) or not isinstance(spec.get("id"), str) or len(spec["id"]) > 64:
         raise _bad("define needs an id (string) and ops (list)")
     ops, n_inputs = spec.get("ops"), spec.get("n_inputs")
@@ -395,7 +427,7 @@ def _define(sess: Session, spec) -> None:
     if not all(isinstance(op, dict) for op in ops):
         raise _bad("each op is an object")
     try:
-        seq = Sequence(ops, n_inputs)
+        seq = Sequence(ops, n_inputs, device)
     except (wire.WireError, CodecError) as e:
         raise _bad(str(e)) from None
     sess.sequences[spec["id"]] = seq
@@ -451,17 +483,20 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
 
     rets = {}
     sess.partial = None   # a failure below leaves no half-run replay to continue
-    for j in range(start, n):
-        op = seq.ops[j]
-        out, _ = run.call(seq.resolved[j], op.get("a"), op.get("k"), tensor_of, check_size=False)
-        for k, t in enumerate(t for t in _leaves(out) if isinstance(t, torch.Tensor)):
-            table[(j, k)] = t
-        if j in sync:
-            rets[str(j)] = wire.encode(out, lambda t: wire.tensor_meta(t))
-        for ref in wire.tensor_ref_refs(op.get("a"), []) + wire.tensor_ref_refs(op.get("k"), []):
-            if "o" in ref:
-                key = tuple(ref["o"])
-                if seq.last_use.get(key) == j and key not in keep:
+    with torch.inference_mode():
+        for j in range(start, n):
+            args, kwargs = seq.templates[j]
+            out = run.invoke(seq.resolved[j], _fill(args, tensor_of),
+                             {k: _fill(v, tensor_of) for k, v in kwargs.items()})
+            if isinstance(out, torch.Tensor):
+                table[(j, 0)] = out
+            else:
+                for k, t in enumerate(t for t in _leaves(out) if isinstance(t, torch.Tensor)):
+                    table[(j, k)] = t
+            if j in sync:
+                rets[str(j)] = wire.encode(out, lambda t: wire.tensor_meta(t))
+            for key in seq.free_at[j]:
+                if key not in keep:
                     table.pop(key, None)
     kept = []
     for key in sorted(keep):
