@@ -99,15 +99,23 @@ class RosServer:
         self.workdir = workdir
         self.threads = threads
         self.secret_file = secret_file
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
         os.environ.setdefault("ROS_HOME", os.path.join(workdir, "ros_home"))
         os.environ.setdefault("ROS_LOG_DIR", os.path.join(os.environ["ROS_HOME"], "log"))
-        self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_master()
+        # A free port can be taken between choosing it and roscore binding it ("Address
+        # already in use", seen once in CI): try again on another port.
+        for attempt in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
+            self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self._wait_master()
+                break
+            except RuntimeError:
+                if self.core.poll() is None or attempt == 2:
+                    raise
         rospy.init_node("soak_client", anonymous=True, disable_signals=True)
         from robot_offload.ros import logbridge
         logbridge.cache_rosout_flag()

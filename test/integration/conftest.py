@@ -37,23 +37,30 @@ def _stop(proc, sig=signal.SIGINT, wait_s=15):
 
 @pytest.fixture(scope="session")
 def ros_master(tmp_path_factory):
-    uri = f"http://127.0.0.1:{_free_port()}"
-    os.environ["ROS_MASTER_URI"] = uri
     os.environ.setdefault("ROS_HOME", str(tmp_path_factory.mktemp("ros_home")))
-    port = uri.rsplit(":", 1)[1]
-    core = subprocess.Popen(["roscore", "-p", port], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     import rospy
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            rospy.get_master().getSystemState()
+    # A free port can be taken before roscore binds it: then roscore exits at once and
+    # another port is tried.
+    for attempt in range(3):
+        uri = f"http://127.0.0.1:{_free_port()}"
+        os.environ["ROS_MASTER_URI"] = uri
+        port = uri.rsplit(":", 1)[1]
+        core = subprocess.Popen(["roscore", "-p", port], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                rospy.get_master().getSystemState()
+                break
+            except OSError:
+                if core.poll() is not None and attempt < 2:
+                    break
+                if time.monotonic() > deadline or core.poll() is not None:
+                    _stop(core)
+                    pytest.fail("roscore did not start")
+                time.sleep(0.2)
+        if core.poll() is None:
             break
-        except OSError:
-            if time.monotonic() > deadline or core.poll() is not None:
-                _stop(core)
-                pytest.fail("roscore did not start")
-            time.sleep(0.2)
     rospy.init_node("pytest_integration", anonymous=True, disable_signals=True)
     yield uri
     _stop(core)
