@@ -276,7 +276,7 @@ class _Run:
                 out = func(*meta_args, **meta_kwargs)
         except Exception:  # noqa: BLE001 - data-dependent shapes or no meta kernel: run it
             return
-        extra = sum(_nbytes(t) for t in _leaves(out) if isinstance(t, torch.Tensor))
+        extra = sum(_nbytes(t) for t in wire.leaves(out) if isinstance(t, torch.Tensor))
         self.sess.check_budget(extra)
 
     def encode_return(self, out, inputs):
@@ -292,12 +292,6 @@ class _Run:
             return wire.encode(out, ref)
         except wire.Unsupported as e:
             raise _bad(f"cannot return {e}") from None
-
-
-def _leaves(obj) -> list:
-    if isinstance(obj, (list, tuple)):
-        return [x for o in obj for x in _leaves(o)]
-    return [obj]
 
 
 def _to_meta(obj):
@@ -491,7 +485,7 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
             if isinstance(out, torch.Tensor):
                 table[(j, 0)] = out
             else:
-                for k, t in enumerate(t for t in _leaves(out) if isinstance(t, torch.Tensor)):
+                for k, t in enumerate(t for t in wire.leaves(out) if isinstance(t, torch.Tensor)):
                     table[(j, k)] = t
             if j in sync:
                 rets[str(j)] = wire.encode(out, lambda t: wire.tensor_meta(t))

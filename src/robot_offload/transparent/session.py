@@ -99,7 +99,7 @@ class RemoteTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in _MATERIALIZING:
-            sess = next(a._session for a in _leaves((args, kwargs)) if isinstance(a, RemoteTensor))
+            sess = next(a._session for a in wire.leaves((args, kwargs)) if isinstance(a, RemoteTensor))
             args, kwargs = tree_map(lambda a: sess.materialize(a) if isinstance(a, RemoteTensor) else a,
                                     (args, kwargs))
             return func(*args, **kwargs)
@@ -108,7 +108,7 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        sess = next(a._session for a in _leaves((args, kwargs or {})) if isinstance(a, RemoteTensor))
+        sess = next(a._session for a in wire.leaves((args, kwargs or {})) if isinstance(a, RemoteTensor))
         return sess.dispatch(func, args, kwargs or {})
 
 
@@ -236,12 +236,12 @@ class RemoteSession:
     # -- the interception point ----------------------------------------------------------
     def dispatch(self, func, args, kwargs):
         with self._lock:
-            flat = _leaves((args, kwargs))
+            flat = wire.leaves((args, kwargs))
             if any(isinstance(a, RemoteTensor) and a._cell[1] != self._generation for a in flat):
                 # Proxies from before a reset: their server tensors are gone; recompute.
                 args, kwargs = tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor)
                                         and a._cell[1] != self._generation else a, (args, kwargs))
-                flat = _leaves((args, kwargs))
+                flat = wire.leaves((args, kwargs))
             remote = any(isinstance(a, RemoteTensor) for a in flat)
             if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
                 # Robot tensors only and no weight: the program's own work (building the
@@ -581,7 +581,7 @@ class RemoteSession:
         """Recorder reference for a tensor argument of an operator being recorded."""
         if isinstance(t, RemoteTensor):
             return self.recorder.ref_of_handle(t.handle)
-        return ("up", self._cached_handle(t), _meta_of(t))
+        return ("up", self._cached_handle(t), wire.tensor_meta(t))
 
     def _record(self, func, name, a_tree, k_tree, ret, out, args, kwargs):
         def rec(node, value):
@@ -593,7 +593,7 @@ class RemoteSession:
         a_rec = rec(a_tree, list(args))
         k_rec = {k: rec(v, kwargs[k]) for k, v in k_tree.items()}
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        metas = [_meta_of(t) for t in out_tensors]
+        metas = [wire.tensor_meta(t) for t in out_tensors]
         _, _, value_return, _, _ = self._schema(func)
         sync = value_return or not self._shapes_static(func, args, kwargs, metas)
         op = RecordedOp(name, a_rec, k_rec, metas, ret, sync)
@@ -670,7 +670,7 @@ class RemoteSession:
                     root = False
                 return r
             h = self._cached_handle(t)
-            return ("up", -1 if h is None else h, _meta_of(t))
+            return ("up", -1 if h is None else h, wire.tensor_meta(t))
         try:
             a = wire.encode(list(args), ref)
             k = {kk: wire.encode(v, ref) for kk, v in kwargs.items()}
@@ -704,7 +704,7 @@ class RemoteSession:
         out = self._decode_return(func, args, kwargs, ret, from_record=True)
         if self.local_fallback:
             self._attach_recipe(func, args, kwargs, out)
-        out_tensors = [t for t in _leaves(out) if isinstance(t, RemoteTensor)]
+        out_tensors = [t for t in wire.leaves(out) if isinstance(t, RemoteTensor)]
         for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret))):
             if "a" not in m:
                 t._pending = t._origin = (spec, j, k)
@@ -779,7 +779,7 @@ class RemoteSession:
             if kind == "i":
                 if isinstance(actual, RemoteTensor) and actual._pending is not None:
                     raise Mismatch(f"operator {j}: an input is now computed inside the sequence")
-                if _meta_of(actual) != spec.seq.input_metas[val]:
+                if wire.tensor_meta(actual) != spec.seq.input_metas[val]:
                     raise Mismatch(f"operator {j}: input {val} has shape {list(actual.shape)} {actual.dtype}")
                 prev = spec.inputs.get(val, bind.get(val))
                 if prev is not None and prev is not actual:
@@ -859,22 +859,6 @@ class RemoteSession:
         return tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor) else a, tree)
 
 
-def _leaves(obj) -> list:
-    """The leaves of an operator's arguments or result (lists, tuples and dicts nest; the
-    only containers aten uses). Faster than torch's pytree on the per-operator path."""
-    out = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        else:
-            out.append(o)
-    return out
-
-
 def _version_of(t: torch.Tensor) -> int:
     """The tensor's in-place version counter; inference tensors have none (-1): they can
     only be modified inside inference mode, where the change is not seen."""
@@ -882,11 +866,6 @@ def _version_of(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
-
-
-def _meta_of(t: torch.Tensor) -> dict:
-    return {"s": list(t.shape), "st": list(t.stride()), "o": int(t.storage_offset()),
-            "d": str(t.dtype).replace("torch.", "")}
 
 
 def _metas_in(tree) -> list:

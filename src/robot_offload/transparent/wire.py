@@ -181,17 +181,24 @@ def tensor_ref_refs(obj, out: list) -> list:
     return out
 
 
+def leaves(obj) -> list:
+    """The leaves of an operator's arguments or result, depth first (lists, tuples and
+    dicts nest: the only containers aten uses). Cheaper than torch's pytree on the
+    per-operator paths of robot and server."""
+    out = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+        else:
+            out.append(o)
+    return out
+
+
 def tensor_leaves(args, kwargs) -> list:
     """The tensors of an operator call, depth first, positional then keyword arguments in
     their order: how an in-place or pass-through result names the input it returns."""
-    out = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-    walk(list(args))
-    walk(list(kwargs.values()))
-    return out
+    return [v for v in leaves((list(args), list(kwargs.values()))) if isinstance(v, torch.Tensor)]
