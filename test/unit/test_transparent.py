@@ -183,6 +183,44 @@ def test_modified_weight_diverges_and_stays_correct():
     assert sess.stats.divergences == 1
 
 
+def test_frame_phase_precedence():
+    """One frame's phase from the session's records: a divergence during the frame wins
+    (even when it marked a record from before the frame), then replaying when every new
+    inference replayed, else recording; transparent sessions are always transparent."""
+    from robot_offload.transparent.session import InferenceCount
+    assert RemoteSession(None, mode="transparent").frame_phase(0, 0) == "transparent"
+    sess = RemoteSession(None, mode="record_replay")
+    infs = sess.stats.inferences
+    assert sess.frame_phase(0, 0) == "recording"              # no new inference
+    infs.append(InferenceCount("recording"))
+    assert sess.frame_phase(0, 0) == "recording"
+    infs.append(InferenceCount("replaying"))
+    assert sess.frame_phase(1, 0) == "replaying"
+    assert sess.frame_phase(0, 0) == "recording"              # one of two recorded
+    infs[1].phase = "fallback"
+    sess.stats.divergences += 1
+    assert sess.frame_phase(1, 0) == "fallback"
+    infs.append(InferenceCount("replaying"))                  # the divergence predates it
+    assert sess.frame_phase(2, 0) == "fallback"
+    assert sess.frame_phase(2, 1) == "replaying"
+
+
+def test_frame_phase_of_real_frames():
+    torch.manual_seed(0)
+    net = _Net().eval()
+    sess = _session()
+    phases = []
+    with torch.no_grad():
+        for i in range(6):
+            if i == 5:
+                net.b.weight.mul_(2.0)
+            n, d = len(sess.stats.inferences), sess.stats.divergences
+            with sess:
+                net(torch.randn(1, 3, 8, 8)).cpu()
+            phases.append(sess.frame_phase(n, d))
+    assert phases[0] == "recording" and phases[4] == "replaying" and phases[5] == "fallback", phases
+
+
 def test_data_dependent_shape_is_a_sync_point():
     """A boolean mask's output size depends on values: replay stops there, and when the
     size differs from the record the inference continues op by op, correctly."""

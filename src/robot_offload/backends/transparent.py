@@ -56,16 +56,7 @@ class _OperatorBackend(Backend):
         t1 = time.perf_counter()
         in_calls = stats.transfer_s + stats.server_compute_s - calls_before
         stats.add_compute(t0, t0 + max(0.0, (t1 - t0) - in_calls))
-        if self.session_mode == "transparent":
-            stats.phase = "transparent"
-        else:
-            new = sess.stats.inferences[n_before:]
-            if sess.stats.divergences > div_before:
-                stats.phase = "fallback"
-            elif new and all(i.phase == "replaying" for i in new):
-                stats.phase = "replaying"
-            else:
-                stats.phase = "recording"
+        stats.phase = sess.frame_phase(n_before, div_before)
         stats.plan = f"{self.name}:{stats.phase}"
         stats.extra["transparent"] = {"divergences_total": sess.stats.divergences,
                                       "sequences_identified": sess.stats.sequences_identified,

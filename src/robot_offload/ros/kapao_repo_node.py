@@ -67,6 +67,7 @@ class KapaoRepoNode:
         stats = FrameStats(mode=mode, model="kapao_repo")
         t0 = time.perf_counter()
         n_before = len(session.stats.inferences) if session else 0
+        div_before = session.stats.divergences if session else 0
         losses = session.stats.server_losses if session else 0
         poses, stats = self.runner(image, session=session, stats=stats)
         stats.processing_s = time.perf_counter() - t0
@@ -75,10 +76,7 @@ class KapaoRepoNode:
             if session.stats.server_losses > losses or session.down.is_set():
                 stats.executed_mode, stats.fallback_reason = "local", session.last_error
             stats.extra["transparent"] = {"divergences_total": session.stats.divergences}
-            new = session.stats.inferences[n_before:]
-            stats.phase = ("transparent" if mode == "transparent" else
-                           "replaying" if new and all(i.phase == "replaying" for i in new) else
-                           "fallback" if any(i.phase == "fallback" for i in new) else "recording")
+            stats.phase = session.frame_phase(n_before, div_before)
         people = People(header=msg.header, target_index=-1, track_status="none")
         for p in poses:
             kp = p.keypoints

@@ -854,6 +854,29 @@ class RemoteSession:
         the program's operator sequence is not static and it runs op by op."""
         return not self.recorder.sequences and max(self.recorder.differing.values(), default=0) >= 3
 
+    def frame_phase(self, n_before: int, divergences_before: int) -> str:
+        """The phase of one frame (one or more inferences through this session), given
+        ``len(self.stats.inferences)`` and ``self.stats.divergences`` taken before it:
+        ``"transparent"``, ``"fallback"``, ``"replaying"`` or ``"recording"``.
+
+        The precedence says what the frame cost. A divergence during the frame comes first:
+        part of the frame ran op by op after a replay had begun, and the sequence was
+        dropped, even if the frame then went on to replay another one. The divergence
+        counter is the signal, not the records' phases, because a divergence marks the
+        latest record, which may predate the frame (a speculation still open at the end of
+        the previous frame). Otherwise the frame is ``"replaying"`` only when it began at
+        least one inference and every inference it began was answered from a record;
+        anything else (a new record, or no new inference at all) is ``"recording"``.
+        """
+        if self.mode == "transparent":
+            return "transparent"
+        if self.stats.divergences > divergences_before:
+            return "fallback"
+        new = self.stats.inferences[n_before:]
+        if new and all(i.phase == "replaying" for i in new):
+            return "replaying"
+        return "recording"
+
     # -- whole results ----------------------------------------------------------------------
     def materialize_tree(self, tree):
         return tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor) else a, tree)
