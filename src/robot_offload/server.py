@@ -330,4 +330,5 @@ def _forward(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) ->
 
 # Executors of other modules register themselves on import (kept last: they import this module).
 from robot_offload.partition import executor as _partition_executor  # noqa: E402,F401
+from robot_offload.partition import lop_executor as _lop_executor  # noqa: E402,F401
 from robot_offload.transparent import server as _transparent_executor  # noqa: E402,F401

@@ -52,6 +52,7 @@ class _ModelState:
         self.error = ""
         self.cuts: "OrderedDict[Tuple[str, ...], Cut]" = OrderedDict()
         self.records: "OrderedDict[Tuple[int, ...], Dict]" = OrderedDict()
+        self.spatial: "OrderedDict[Tuple[int, ...], object]" = OrderedDict()   # lop_executor
 
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModelState]" = weakref.WeakKeyDictionary()

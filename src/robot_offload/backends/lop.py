@@ -1,0 +1,222 @@
+"""``lop``: local-operator parallelism with a bandwidth-aware schedule (Intra-DP).
+
+Per input shape the backend takes the layer-partition profile (the same measurements and
+cache as ``layer_partition``), analyses the graph's operators
+(:mod:`robot_offload.partition.spatial`), and solves LOSS for every bandwidth bucket
+(:mod:`robot_offload.partition.loss`; plans cached on disk next to the profiles). Per
+frame it looks up the schedule for the predicted bandwidth, so plans switch as the
+bandwidth changes:
+
+* a layer-partition schedule runs exactly as ``layer_partition`` does (LOSS degrades to
+  it when no local region pays off);
+* a spatial schedule runs the head to the region's first cut, starts transfer A (the rows
+  of the first cut's tensors the server's stripe needs) on a transport worker thread,
+  computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
+  last cut's tensors); the server joins the rows and runs the rest
+  (:mod:`robot_offload.partition.lop_executor`). Two round trips, overlapped with the
+  robot's computation.
+
+Measured robot and server times feed the same drift tracker as layer partitioning, and
+the schedules are solved again when the load factors move.
+"""
+
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+from robot_offload import codec, structure
+from robot_offload.backends.base import register_backend
+from robot_offload.backends.layer_partition import LayerPartitionBackend, _encode, _json
+from robot_offload.errors import OffloadTimeout
+from robot_offload.partition.graph import INPUT_CUT, Cut
+from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
+from robot_offload.partition.planner import PlannerConfig
+from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
+from robot_offload.partition.spatial import Region, SpatialGraph
+from robot_offload.protocol import ComputeRequest, raise_for_status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _LopState:
+    spatial: SpatialGraph
+    cfg: PlannerConfig
+    table: LopTable
+    prepared: bool = False       # the server has its graph and record for this shape
+
+
+@register_backend
+class LopBackend(LayerPartitionBackend):
+    name = "lop"
+    needs_server = True
+
+    #: robot shares LOSS considers: multiples of 1 / share_steps
+    share_steps = 16
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._lop: Dict[Tuple[int, ...], _LopState] = {}
+        self._regions: Dict[Tuple, Tuple[Region, Cut, Cut]] = {}
+
+    # -- schedules ------------------------------------------------------------------------
+    def lop_state(self, x: torch.Tensor) -> _LopState:
+        """Operator analysis and plan table for ``x``'s shape; solved again when the
+        layer-partition state re-planned with new load factors."""
+        st = self.state(x)
+        shape = tuple(int(s) for s in x.shape)
+        ls = self._lop.get(shape)
+        if ls is None or ls.cfg != st.cfg:
+            spatial = ls.spatial if ls is not None else None
+            if spatial is None:
+                metas, _ = self.graph.record(torch.zeros_like(x))
+                spatial = SpatialGraph(self.graph, metas)
+            directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
+            table = load_or_solve(directory, lambda: Loss(self.graph, spatial, st.profile, self.share_steps),
+                                  st.profile, st.cfg, self.share_steps)
+            log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
+                     self.ctx.spec.name, table.solve_s)
+            ls = self._lop[shape] = _LopState(spatial, st.cfg, table,
+                                               prepared=ls.prepared if ls is not None else False)
+        return ls
+
+    def _prepare(self, ls: _LopState, shape, timeout_s: float) -> None:
+        """Have the server capture and record the graph at this shape before the first
+        spatial frame: it costs the server a whole forward pass, which would otherwise
+        fall on that frame (and, with the in-process transport, torch.fx's tracing patches
+        nn.Module.__call__ process-wide, so it must not overlap the robot's stripe)."""
+        link = self.ctx.link
+        link.compute(ComputeRequest(client_id=link.client_id, model=link.model, entry="lop_part",
+                                    tensors=[], args_json=_json({"phase": "prepare",
+                                                                 "input_shape": list(shape)})),
+                     timeout_s)
+        ls.prepared = True
+
+    def region_of(self, spatial: SpatialGraph, plan: LopPlan) -> Tuple[Region, Cut, Cut]:
+        key = (id(spatial), plan.first, plan.last)
+        r = self._regions.get(key)
+        if r is None:
+            c1 = (self.graph.input_cut() if plan.first == self.graph.inputs
+                  else self.graph.cut(plan.first))
+            c2 = self.graph.cut(plan.last)
+            r = self._regions[key] = (spatial.region(c1, c2), c1, c2)
+        return r
+
+    # -- inference ------------------------------------------------------------------------
+    def infer(self, x, stats, timeout_s):
+        bw = stats.predicted_bandwidth_bps
+        if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
+            bw = self.ctx.config.bandwidth_bps_default
+        plan = self.lop_state(x).table.lookup(bw)
+        return self.run_schedule(x, plan, stats, timeout_s, bw)
+
+    def run_schedule(self, x: torch.Tensor, plan: LopPlan, stats, timeout_s: float,
+                     bandwidth_bps: float = None):
+        """Run one frame with ``plan`` (any plan of this model's table, or one made by
+        :mod:`robot_offload.partition.loss` for this shape)."""
+        bw = bandwidth_bps or plan.bandwidth_bps
+        if not plan.spatial:
+            y = self.run_plan(x, plan.partition, stats, timeout_s, bw)
+            stats.plan = "lop:" + stats.plan
+            stats.extra["lop"] = {"schedule": plan.describe(), "spatial": False,
+                                  "predicted_s": plan.latency_s}
+            return y
+        ls = self.lop_state(x)
+        t0 = time.perf_counter()
+        if not ls.prepared:
+            self._prepare(ls, x.shape, timeout_s)
+        try:
+            return self._run_spatial(x, plan, stats, timeout_s - (time.perf_counter() - t0), bw)
+        except Exception:
+            ls.prepared = False     # the server may have restarted: prepare again
+            raise
+
+    def _run_spatial(self, x, plan: LopPlan, stats, timeout_s: float, bw: float):
+        st = self.state(x)
+        ls = self.lop_state(x)
+        sg = ls.spatial
+        region, c1, c2 = self.region_of(sg, plan)
+        link, cfg = self.ctx.link, self.ctx.config
+        stats.plan = plan.describe()
+        stats.predicted_latency_s = plan.latency_s
+        shape = [int(s) for s in x.shape]
+        t0 = time.perf_counter()
+        deadline = t0 + timeout_s
+        with torch.inference_mode():
+            if c1.kind == INPUT_CUT:
+                first = {self.graph.inputs[0]: x}
+            else:
+                first = dict(zip(c1.crossing, self.graph.head_module(c1)(x)))
+        robot_rows, server_rows = sg.split_rows(region, plan.share)
+        need_r = sg.needs(region, robot_rows)
+        need_s = sg.needs(region, server_rows)
+        a_tensors = []
+        for name in region.inputs:
+            if name in need_s:
+                a, b = need_s[name]
+                part = first[name].narrow(sg.axis(name), a, b - a).contiguous()
+                a_tensors.append(_encode(part, name, plan.codec, plan.compression))
+        frame = secrets.token_hex(8)
+        req_a = ComputeRequest(
+            client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
+            args_json=_json({"phase": "part", "frame": frame, "first": list(region.inputs),
+                             "last": list(region.outputs),
+                             "split": {n: server_rows[n][0] for n in region.outputs},
+                             "input_shape": shape}),
+            output_codec=cfg.output_codec, output_compression=cfg.compression)
+        t_a = time.perf_counter()
+        stats.add_compute(t0, t_a)
+        fut_a = link.transport.submit("compute", req_a, deadline - t_a)
+        # The robot's stripe, while transfer A is on the wire.
+        mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
+        b_tensors = []
+        for name in region.outputs:
+            upto = held_from(need_s, name, sg.rows(name))
+            if upto > 0:
+                src = first[name] if name in first else mine[name][0]
+                b_tensors.append(_encode(src.narrow(sg.axis(name), 0, upto).contiguous(), name,
+                                         plan.codec, plan.compression))
+        req_b = ComputeRequest(
+            client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
+            args_json=_json({"phase": "finish", "frame": frame, "last": list(region.outputs),
+                             "input_shape": shape}),
+            output_codec=cfg.output_codec, output_compression=cfg.compression)
+        t_b = time.perf_counter()
+        stats.add_compute(t_a, t_b)
+        resp_b = link.compute(req_b, deadline - t_b)
+        t_b_done = time.perf_counter()
+        try:
+            resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            raise OffloadTimeout("lop: transfer A did not complete before the deadline") from None
+        raise_for_status(resp_a.status, resp_a.status_text)
+        t_a_done = time.perf_counter()
+        y = structure.unflatten([codec.decode(t) for t in resp_b.tensors], resp_b.structure_json)
+        t_end = time.perf_counter()
+        stats.add_call(t_a, min(t_a_done, t_b_done), resp_a.server_compute_s, req_a.payload_bytes, 0)
+        stats.add_call(t_b, t_b_done, resp_b.server_compute_s, req_b.payload_bytes, resp_b.payload_bytes)
+        stats.add_compute(t_b_done, t_end)
+        # Drift: the robot's head + stripe against the profile; the server's tail as
+        # layer partitioning records it.
+        cost_robot = sum(st.profile.node_s.get(n, 0.0) * f
+                         for n, f in sg.computed_fraction(region, need_r).items())
+        if c1.kind != INPUT_CUT:
+            cost_robot += st.profile.cut(c1.id).head_s
+        drift = st.tracker.observe("robot", cost_robot, t_b - t0)
+        st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
+        if drift:
+            self._replan(st)
+        stats.extra["lop"] = {
+            "schedule": plan.describe(), "spatial": True, "share": plan.share,
+            "first": c1.label, "last": c2.label, "codec": plan.codec,
+            "compression": plan.compression, "bandwidth_bps": bw,
+            "predicted_s": plan.latency_s, "actual_s": t_end - t0,
+            "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes,
+            "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
+            "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
+        return y

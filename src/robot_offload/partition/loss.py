@@ -1,0 +1,485 @@
+"""LOSS, the local operator scheduling strategy of Intra-DP (§4.2), over our profiles.
+
+A lop schedule (:class:`LopPlan`) is
+
+* a *first cut* ``c1``: the robot computes everything before it (a layer-partition head;
+  the input cut when it starts at once);
+* a *last cut* ``c2``: every node between the two cuts is a local operator
+  (:class:`~robot_offload.partition.spatial.Region`); everything after it runs on the
+  server, as the tail of a layer partition at ``c2``;
+* a *robot share* ``f``: the robot computes the top ``f`` of the rows of every tensor
+  crossing ``c2``, the server the rest, each with the halo rows its block-wise operators
+  need (recomputed on both sides instead of exchanged);
+* a transfer encoding (codec x compression) for both transfers.
+
+At run time (``lop`` backend) the robot runs the head, sends the server the rows of the
+``c1`` tensors its stripe needs (transfer A), computes its own stripe *while A is on the
+wire*, then sends its rows of the ``c2`` tensors (transfer B); the server computes its
+stripe as soon as A has arrived, joins the rows and runs the tail. This is Intra-DP's
+overlap of transmission and computation of local operators; global operators
+synchronise (they are after ``c2``).
+
+Latency model, the two-machine recurrences of §4.2 for this schedule (``B`` bandwidth,
+``r`` the robot's and ``v`` the server's load factors, node times from the profile)::
+
+    head     = r * head_s(c1)
+    a_sent   = head + r * enc(A) + bytes(A) * 8 / B         A's last byte leaves the robot
+    robot    = head + r * (enc(A) + stripe_robot + enc(B))  the robot's stripe is ready
+    s_ready  = a_sent + rtt/2 + v * stripe_server / speedup the server's stripe is ready
+    b_in     = max(robot, a_sent) + bytes(B) * 8 / B + rtt/2
+    latency  = max(b_in, s_ready) + server_tail(c2) + down + rtt/2
+
+``stripe_*`` is the sum over region nodes of the node's robot time times the share of its
+rows that side computes (halo included); ``server_tail`` the measured tail time of ``c2``
+when there is one (as in layer partitioning). Energy: compute power while the robot
+computes, transmit power while it waits for bytes it sends or receives, idle power for the
+rest. As the paper's constraint (2)-(3) keeps transfers below the raw input size, here a
+schedule qualifies only with an encoding whose profiled error at both cuts, times the
+planner's safety factor, is within the tolerance.
+
+Solving. The decision space is (region, share, encoding): regions between the profile's
+candidate cuts (already the cuts worth crossing), shares on a grid of ``1/share_steps``,
+all qualifying encodings. :func:`solve_grid` evaluates all of it (the stripe geometry is
+computed once per region and share, the rest is arithmetic per bandwidth), so it returns
+the optimum of the discretised problem. :func:`solve_de` runs scipy's differential
+evolution on the same objective, as the paper does; :func:`compare_solvers` reports both
+objectives and solving times (the grid search is exact on this space and faster).
+Layer-partition plans are candidates too, so LOSS degrades to layer partitioning when no
+local region pays off (or when a model has no local operators).
+"""
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
+
+from robot_offload.errors import ConfigError
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph
+from robot_offload.partition.planner import (Plan, PlannerConfig, best_plan, options,
+                                             output_bytes, server_time)
+from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
+from robot_offload.partition.spatial import Region, SpatialGraph
+
+log = logging.getLogger(__name__)
+
+LOSS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StripeCost:
+    """Bandwidth-independent figures of one (region, share): robot and server stripe
+    times at load 1 (robot seconds), raw bytes of transfers A and B."""
+
+    robot_s: float
+    server_robot_s: float
+    a_raw_bytes: float
+    b_raw_bytes: float
+
+
+@dataclass(frozen=True)
+class LopPrediction:
+    latency_s: float
+    energy_j: float
+    robot_busy_s: float
+    a_bytes: float
+    b_bytes: float
+    server_s: float
+
+
+@dataclass(frozen=True)
+class LopPlan:
+    """One bucket's schedule: a spatial split (``partition`` is None) or a layer partition."""
+
+    bandwidth_bps: float
+    latency_s: float
+    energy_j: float
+    partition: Optional[Plan] = None
+    first: Tuple[str, ...] = ()        # crossing names of c1
+    last: Tuple[str, ...] = ()         # crossing names of c2
+    first_label: str = ""
+    last_label: str = ""
+    share: float = 0.0                 # robot's share of the c2 rows
+    codec: str = "raw"
+    compression: str = "none"
+    a_bytes: float = 0.0
+    b_bytes: float = 0.0
+
+    @property
+    def spatial(self) -> bool:
+        return self.partition is None
+
+    @property
+    def key(self) -> Tuple:
+        if self.partition is not None:
+            return ("partition", self.partition.cut_id, self.partition.encoding)
+        return ("lop", self.first, self.last, round(self.share, 6), self.codec, self.compression)
+
+    def describe(self) -> str:
+        if self.partition is not None:
+            return "layer_partition " + self.partition.describe()
+        return (f"lop {self.first_label} -> {self.last_label} robot {self.share:.0%} "
+                f"enc={self.codec}/{self.compression}")
+
+    def to_dict(self) -> Dict:
+        d = asdict(self)
+        if self.partition is not None:
+            d["partition"] = asdict(self.partition)
+        return d
+
+
+@dataclass
+class Candidate:
+    region: Region
+    share: float
+    cost: StripeCost
+    first: CutProfile
+    last: CutProfile
+
+
+class Loss:
+    """Stripe costs of every (region, share) of a graph and profile, and the solvers."""
+
+    def __init__(self, graph: ModelGraph, spatial: SpatialGraph, profile: Profile,
+                 share_steps: int = 16, max_regions: int = 400):
+        if share_steps < 2:
+            raise ConfigError("share_steps must be >= 2")
+        self.graph, self.spatial, self.profile = graph, spatial, profile
+        self.share_steps = share_steps
+        t0 = time.perf_counter()
+        cuts = []
+        for c in _boundary_cuts(graph, spatial, profile):
+            try:
+                cuts.append((c, graph.input_cut() if c.kind == INPUT_CUT else graph.cut(c.crossing)))
+            except CutError:
+                continue
+        cuts.sort(key=lambda pc: len(pc[1].head))
+        self.regions: List[Tuple[Region, CutProfile, CutProfile]] = []
+        for i, (p1, c1) in enumerate(cuts):
+            for p2, c2 in cuts[i + 1:]:
+                if len(self.regions) >= max_regions:
+                    break
+                try:
+                    self.regions.append((spatial.region(c1, c2), p1, p2))
+                except CutError:
+                    continue
+        self._costs: Dict[Tuple[int, int], StripeCost] = {}
+        self.geometry_s = time.perf_counter() - t0
+
+    def shares(self) -> List[float]:
+        return [i / self.share_steps for i in range(1, self.share_steps)]
+
+    def cost(self, region_index: int, step: int) -> StripeCost:
+        """Stripe cost of region ``region_index`` with robot share ``step / share_steps``."""
+        key = (region_index, step)
+        c = self._costs.get(key)
+        if c is None:
+            region = self.regions[region_index][0]
+            c = self._costs[key] = stripe_cost(self.spatial, region, step / self.share_steps,
+                                               self.profile.node_s)
+        return c
+
+    def candidates(self) -> List[Candidate]:
+        out = []
+        for i, (region, p1, p2) in enumerate(self.regions):
+            for step in range(1, self.share_steps):
+                out.append(Candidate(region, step / self.share_steps, self.cost(i, step), p1, p2))
+        return out
+
+
+def _boundary_cuts(graph: ModelGraph, spatial: SpatialGraph, profile: Profile) -> List[CutProfile]:
+    """Where a region may start or end: the profile's candidate cuts (the cuts worth
+    crossing in layer partitioning) and the entry and exit of every run of local operators
+    (right after and right before a global one), which are not always candidates."""
+    kinds = spatial.info
+    order = graph.order
+    edges = set()
+    for i, name in enumerate(order):
+        if kinds[name].kind == "global":
+            if i > 0:
+                edges.add(order[i - 1])      # exit of the run before
+            edges.add(name)                  # entry of the run after
+    out = {c.id: c for c in profile.candidates}
+    for c in profile.cuts:
+        if c.kind == "inner" and c.id not in out:
+            try:
+                last = graph.cut(c.crossing).last
+            except CutError:
+                continue
+            if last in edges:
+                out[c.id] = c
+    return list(out.values())
+
+
+def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
+                node_s: Dict[str, float]) -> StripeCost:
+    robot_rows, server_rows = spatial.split_rows(region, share)
+    need_r = spatial.needs(region, robot_rows)
+    need_s = spatial.needs(region, server_rows)
+    robot_s = sum(node_s.get(n, 0.0) * f for n, f in spatial.computed_fraction(region, need_r).items())
+    server_s = sum(node_s.get(n, 0.0) * f for n, f in spatial.computed_fraction(region, need_s).items())
+    metas = spatial.metas
+    a = sum(metas[n].nbytes * (need_s[n][1] - need_s[n][0]) / spatial.rows(n)
+            for n in region.inputs if n in need_s)
+    b = sum(metas[n].nbytes * held_from(need_s, n, spatial.rows(n)) / spatial.rows(n)
+            for n in region.outputs)
+    return StripeCost(robot_s, server_s, float(a), float(b))
+
+
+def held_from(need_server: Dict[str, Tuple[int, int]], name: str, rows: int) -> int:
+    """First row of ``name`` the server holds after its stripe (it holds the rest to the
+    bottom): the robot sends rows ``[0, held_from)`` in transfer B."""
+    return need_server[name][0] if name in need_server else rows
+
+
+def _ratio(cut: CutProfile, encoding: str) -> Optional[float]:
+    """Wire bytes per raw byte of ``encoding`` at ``cut``; cuts the profile did not
+    measure encodings at (not layer-partition candidates) travel raw."""
+    if cut.kind == OUTPUT_CUT or not cut.bytes:
+        return 1.0 if encoding == encoding_key("raw", "none") else None
+    wire = cut.wire_bytes(encoding)
+    if wire is None or not cut.raw_bytes:
+        return None
+    return wire / cut.raw_bytes
+
+
+def _enc_s_per_byte(cut: CutProfile, encoding: str) -> float:
+    if cut.kind == OUTPUT_CUT or not cut.raw_bytes:
+        return 0.0
+    return cut.encode_s.get(encoding, 0.0) / cut.raw_bytes
+
+
+def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List[Tuple[str, float]]:
+    """Encodings usable for both transfers of ``cand`` and their profiled error (the worse
+    of the two cuts), within the tolerance like the layer-partition planner's."""
+    encs = list(cfg.encodings) if cfg.encodings is not None else profile.encodings
+    out = []
+    for e in encs:
+        if _ratio(cand.first, e) is None or _ratio(cand.last, e) is None:
+            continue
+        cd = split_encoding(e)[0]
+        err = max(cand.first.codec_error(cd), cand.last.codec_error(cd) if cand.last.kind != OUTPUT_CUT else 0.0)
+        if err * cfg.error_safety <= cfg.error_tolerance:
+            out.append((e, err))
+    return out
+
+
+def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: float,
+            cfg: PlannerConfig, down_bytes: Optional[float] = None) -> LopPrediction:
+    """Predicted latency and energy of a spatial schedule (see the module docstring)."""
+    if not bandwidth_bps > 0:
+        raise ConfigError("bandwidth must be positive")
+    c = cand.cost
+    r, v = cfg.robot_load, cfg.server_load
+    a_bytes = c.a_raw_bytes * _ratio(cand.first, encoding)
+    b_bytes = c.b_raw_bytes * _ratio(cand.last, encoding)
+    enc_a = r * c.a_raw_bytes * _enc_s_per_byte(cand.first, encoding)
+    enc_b = r * c.b_raw_bytes * _enc_s_per_byte(cand.last, encoding)
+    head = r * (cand.first.head_s if cand.first.kind != INPUT_CUT else 0.0)
+    a_sent = head + enc_a + a_bytes * 8.0 / bandwidth_bps
+    robot = head + enc_a + r * c.robot_s + enc_b
+    s_ready = a_sent + cfg.rtt_s / 2 + v * c.server_robot_s / cfg.server_speedup
+    b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
+    if cand.last.kind == OUTPUT_CUT:
+        tail = 0.0
+    else:
+        tail = server_time(profile, cand.last, cfg)
+    down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
+    down_s = down * 8.0 / bandwidth_bps
+    latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2
+    busy = robot
+    tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
+    waiting = max(0.0, latency - busy)
+    energy = (cfg.compute_w * busy + cfg.transmit_w * min(waiting, tx)
+              + cfg.idle_w * max(0.0, waiting - tx))
+    return LopPrediction(latency, energy, busy, a_bytes, b_bytes,
+                         v * c.server_robot_s / cfg.server_speedup + tail)
+
+
+def _objective(p, cfg: PlannerConfig) -> float:
+    return p.latency_s if cfg.objective == "latency" else p.energy_j
+
+
+def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float) -> LopPlan:
+    cd, z = split_encoding(encoding)
+    return LopPlan(bandwidth_bps=bw, latency_s=p.latency_s, energy_j=p.energy_j,
+                   first=tuple(cand.region.inputs), last=tuple(cand.region.outputs),
+                   first_label=cand.first.label, last_label=cand.last.label, share=cand.share,
+                   codec=cd, compression=z, a_bytes=p.a_bytes, b_bytes=p.b_bytes)
+
+
+def _partition_plan(plan: Plan) -> LopPlan:
+    return LopPlan(bandwidth_bps=plan.bandwidth_bps, latency_s=plan.prediction.latency_s,
+                   energy_j=plan.prediction.energy_j, partition=plan)
+
+
+def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
+               candidates: Optional[List[Candidate]] = None, spatial_only: bool = False) -> LopPlan:
+    """The best schedule at ``bandwidth_bps``: every (region, share, encoding), and the best
+    layer partition unless ``spatial_only``."""
+    cands = loss.candidates() if candidates is None else candidates
+    down = output_bytes(loss.profile, cfg.output_codec)
+    best, best_key = None, None
+    for cand in cands:
+        for e, err in encodings_for(loss.profile, cand, cfg):
+            p = predict(loss.profile, cand, e, bandwidth_bps, cfg, down)
+            key = (_objective(p, cfg), p.a_bytes + p.b_bytes, err)
+            if best_key is None or key < best_key:
+                best, best_key = _lop_plan(cand, e, p, bandwidth_bps), key
+    if not spatial_only:
+        lp = best_plan(loss.profile, bandwidth_bps, cfg, options(loss.profile, cfg))
+        lp_obj = lp.prediction.latency_s if cfg.objective == "latency" else lp.prediction.energy_j
+        if best_key is None or lp_obj <= best_key[0]:
+            best = _partition_plan(lp)
+    if best is None:
+        raise ConfigError(f"{loss.profile.model}: no schedule satisfies the constraints")
+    return best
+
+
+def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0,
+             maxiter: int = 60, popsize: int = 15) -> Tuple[Optional[LopPlan], int]:
+    """The paper's solver: scipy's differential evolution over (region, share, encoding),
+    integer-constrained, on the same objective (spatial schedules only). Returns the plan
+    and the number of objective evaluations."""
+    from scipy.optimize import differential_evolution
+    import numpy as np
+
+    regions = len(loss.regions)
+    if not regions:
+        return None, 0
+    encs = list(cfg.encodings) if cfg.encodings is not None else loss.profile.encodings
+    down = output_bytes(loss.profile, cfg.output_codec)
+    evals = [0]
+
+    def decode(x):
+        ri = int(min(regions - 1, max(0, round(x[0]))))
+        step = int(min(loss.share_steps - 1, max(1, round(x[1]))))
+        ei = int(min(len(encs) - 1, max(0, round(x[2]))))
+        return ri, step, ei
+
+    def objective(x):
+        evals[0] += 1
+        ri, step, ei = decode(x)
+        region, p1, p2 = loss.regions[ri]
+        cand = Candidate(region, step / loss.share_steps, loss.cost(ri, step), p1, p2)
+        ok = dict(encodings_for(loss.profile, cand, cfg))
+        if encs[ei] not in ok:
+            return 1e9
+        return _objective(predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down), cfg)
+
+    bounds = [(0, regions - 1), (1, loss.share_steps - 1), (0, len(encs) - 1)]
+    res = differential_evolution(objective, bounds, integrality=np.array([True, True, True]),
+                                 seed=seed, maxiter=maxiter, popsize=popsize, tol=1e-9,
+                                 polish=False)
+    ri, step, ei = decode(res.x)
+    if res.fun >= 1e9:
+        return None, evals[0]
+    region, p1, p2 = loss.regions[ri]
+    cand = Candidate(region, step / loss.share_steps, loss.cost(ri, step), p1, p2)
+    return _lop_plan(cand, encs[ei], predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down),
+                     bandwidth_bps), evals[0]
+
+
+def compare_solvers(loss: Loss, cfg: PlannerConfig, bandwidths: List[float]) -> List[Dict]:
+    """Per bandwidth: the grid optimum and differential evolution's result, objective
+    (ms or mJ) and solving time (s), spatial schedules only."""
+    rows = []
+    cands = loss.candidates()
+    for bw in bandwidths:
+        t0 = time.perf_counter()
+        g = solve_grid(loss, bw, cfg, cands, spatial_only=True)
+        t1 = time.perf_counter()
+        d, evals = solve_de(loss, bw, cfg)
+        t2 = time.perf_counter()
+        scale = 1e3
+        rows.append({"bandwidth_mbps": bw / 1e6,
+                     "grid_objective": scale * (g.latency_s if cfg.objective == "latency" else g.energy_j),
+                     "grid_s": t1 - t0,
+                     "de_objective": (scale * (d.latency_s if cfg.objective == "latency" else d.energy_j)
+                                      if d is not None else math.inf),
+                     "de_s": t2 - t1, "de_evaluations": evals})
+    return rows
+
+
+class LopTable:
+    """Schedules per bandwidth bucket; :meth:`lookup` picks one per frame."""
+
+    def __init__(self, buckets: Tuple[float, ...], plans: List[LopPlan], solve_s: float):
+        self.buckets = tuple(buckets)
+        self.plans = plans
+        self.solve_s = solve_s
+
+    @classmethod
+    def build(cls, loss: Loss, cfg: PlannerConfig) -> "LopTable":
+        t0 = time.perf_counter()
+        cands = loss.candidates()
+        plans = [solve_grid(loss, b, cfg, cands) for b in cfg.buckets]
+        return cls(cfg.buckets, plans, time.perf_counter() - t0 + loss.geometry_s)
+
+    def lookup(self, bandwidth_bps: float) -> LopPlan:
+        """The plan of the highest bucket not above ``bandwidth_bps``."""
+        if not bandwidth_bps > 0 or math.isnan(bandwidth_bps):
+            return self.plans[0]
+        i = bisect.bisect_right(self.buckets, bandwidth_bps * (1 + 1e-9)) - 1
+        return self.plans[max(0, min(i, len(self.plans) - 1))]
+
+    def rows(self) -> List[Dict]:
+        return [{"bandwidth_mbps": b / 1e6, "plan": p.describe(), "latency_ms": 1e3 * p.latency_s,
+                 "energy_mj": 1e3 * p.energy_j} for b, p in zip(self.buckets, self.plans)]
+
+    # -- cache (JSON; plans are data, never code) --------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"version": LOSS_VERSION, "buckets": list(self.buckets),
+                           "solve_s": self.solve_s, "plans": [p.to_dict() for p in self.plans]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "LopTable":
+        d = json.loads(text)
+        if d.get("version") != LOSS_VERSION:
+            raise ValueError("other LOSS version")
+        plans = []
+        for p in d["plans"]:
+            part = p.pop("partition")
+            if part is not None:
+                from robot_offload.partition.planner import Prediction
+                part["prediction"] = Prediction(**part["prediction"])
+                part["crossing"] = tuple(part["crossing"])
+                part = Plan(**part)
+            p["first"], p["last"] = tuple(p["first"]), tuple(p["last"])
+            plans.append(LopPlan(partition=part, **p))
+        return cls(tuple(d["buckets"]), plans, float(d["solve_s"]))
+
+
+def table_key(profile: Profile, cfg: PlannerConfig, share_steps: int) -> str:
+    """Cache key: the profile (model hash, machine, shape, options, measured server times)
+    and every planner setting."""
+    blob = json.dumps({"profile": profile.key, "server": profile.server, "cfg": asdict(cfg),
+                       "steps": share_steps, "v": LOSS_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerConfig,
+                  share_steps: int = 16) -> LopTable:
+    """The plan table from the cache under ``directory/lop`` or solved (then saved)."""
+    key = table_key(profile, cfg, share_steps)
+    path = os.path.join(os.path.expanduser(directory), "lop", f"{profile.model}-{key}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return LopTable.from_json(f.read())
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    table = LopTable.build(loss_factory(), cfg)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(table.to_json())
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not cache the lop plans: %s", e)
+    return table

@@ -1,0 +1,303 @@
+"""lop (local-operator parallelism) end to end through the in-process transport.
+
+* the operator analysis: which operators are local, and row slabs computed with halos equal
+  the whole tensors for every region of every lop model;
+* every schedule LOSS produces at 5, 20, 50 and 100 Mbit/s (and, so that the spatial path
+  is exercised on every model whatever the planner prefers, spatial schedules at three
+  shares on the largest regions) gives the local outputs with lossless encodings;
+* LOSS: the grid solver is never worse than differential evolution, plans are cached on
+  disk and switch with the bandwidth, and a model without local operators degrades to
+  layer partitioning;
+* the server refuses malformed lop requests and a finish without its part.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from robot_offload import backends, codec, structure
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.models import get_spec
+from robot_offload.partition import lop_executor
+from robot_offload.partition.graph import capture
+from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
+                                          load_or_solve, solve_grid)
+from robot_offload.partition.planner import PlannerConfig
+from robot_offload.partition.profile import build_profile
+from robot_offload.partition.spatial import SpatialGraph
+from robot_offload.protocol import ComputeRequest, StatusCode
+from robot_offload.server import RequestRejected
+from robot_offload.stats import FrameStats
+from robot_offload.transport.inproc import InProcessTransport
+
+LOP_MODELS = ("vgg19", "resnet101", "densenet121", "regnet_y_400mf", "convnext_tiny",
+              "mobilenet_v2", "kapao_l", "agrnav")
+BUCKETS = (5e6, 20e6, 50e6, 100e6)
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("profiles"))
+
+
+def _client(server, model, profile_dir, **kw):
+    spec = get_spec(model)
+    cfg = ClientConfig(model=model, mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
+                       timeout_s=120, profile_dir=profile_dir, **kw)
+    client = OffloadClient(cfg, InProcessTransport(server))
+    assert client.connect(), client.link.last_error
+    return client
+
+
+def _backend(client):
+    b = backends.make_backend("lop", backends.BackendContext(
+        client.spec, client.model, client.link, client.config))
+    b.calibration_inputs, b.profile_repeats = 1, 1
+    return b
+
+
+def _assert_same_outputs(y, ref, what):
+    """Lossless lop equals local up to floating-point summation order: each floating
+    output within 1e-5 of its own largest magnitude (random-weight ResNet-101 logits reach
+    ~3e4, so an absolute tolerance alone would test nothing or everything), others exact."""
+    ly, sy = structure.flatten(y)
+    lr, sr = structure.flatten(ref)
+    assert sy == sr, what
+    for a, b in zip(ly, lr):
+        if b.is_floating_point():
+            scale = max(1.0, float(b.abs().max()))
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+        else:
+            assert torch.equal(a, b), what
+
+
+def _slab_check(sg, region, x_first, full_last, share):
+    robot_rows, server_rows = sg.split_rows(region, share)
+    parts = {}
+    for rows in (robot_rows, server_rows):
+        need = sg.needs(region, rows)
+        held = {}
+        for n in region.inputs:
+            if n in need:
+                a, b = need[n]
+                held[n] = (x_first[n].narrow(sg.axis(n), a, b - a).clone(), a)
+        out = sg.run(region, need, held)
+        for n in region.outputs:
+            a, b = rows[n]
+            if a < b:
+                t, r0 = out[n]
+                parts.setdefault(n, []).append(t.narrow(sg.axis(n), a - r0, b - a))
+    for n in region.outputs:
+        torch.testing.assert_close(torch.cat(parts[n], dim=sg.axis(n)), full_last[n],
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", LOP_MODELS)
+def test_stripes_with_halos_equal_the_whole_tensors(model):
+    spec = get_spec(model)
+    m = spec.build().eval()
+    g = capture(m)
+    x = spec.example_input(spec.test_input_size, seed=3)
+    metas, _ = g.record(x)
+    sg = SpatialGraph(g, metas)
+    kinds = sg.kinds()
+    assert sum(k != "global" for k in kinds.values()) > 0.5 * len(kinds)
+    cuts = g.enumerate_cuts(metas)
+    regions = sorted(sg.local_regions(cuts[:: max(1, len(cuts) // 24)]), key=lambda r: -len(r.nodes))
+    assert regions
+    for region in regions[:4]:
+        with torch.inference_mode():
+            first = dict(zip(region.first.crossing, g.head_module(region.first)(x))) \
+                if region.first.kind != "input" else {g.inputs[0]: x}
+            last = dict(zip(region.last.crossing, g.head_module(region.last)(x)))
+        for share in (0.0, 0.3, 0.5, 0.81, 1.0):
+            _slab_check(sg, region, first, last, share)
+
+
+def test_operator_classes():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.pool = nn.MaxPool2d(3, 2, 1)
+            self.up = nn.Upsample(scale_factor=2)
+            self.tconv = nn.ConvTranspose2d(4, 4, 2, stride=2)
+            self.bn = nn.BatchNorm2d(4)
+            self.fc = nn.Linear(8, 2)
+            self.ceil = nn.MaxPool2d(2, 2, ceil_mode=True)
+
+        def forward(self, x):
+            a = self.bn(self.conv(x)).relu()
+            b = self.up(self.pool(a))
+            c = torch.cat([a, b], 1) + torch.cat([b, a], 1)
+            d = self.tconv(self.ceil(a))
+            e = torch.cat([a, d], 2)                   # along the rows: global
+            s = torch.softmax(e, dim=2)                # not in the known set: global
+            f = self.fc(c.permute(0, 2, 3, 1))         # channels last: row-wise
+            return s, f, x.mean((2, 3))
+
+    net = Net().eval()
+    g = capture(net, leaf_modules=())
+    metas, _ = g.record(torch.randn(1, 3, 16, 16))
+    kinds = SpatialGraph(g, metas).kinds()
+    assert kinds["conv"] == kinds["pool"] == kinds["up"] == kinds["tconv"] == "block"
+    assert kinds["bn"] == kinds["relu"] == kinds["cat"] == kinds["add"] == kinds["permute"] == "elementwise"
+    assert kinds["fc"] == "rowwise"
+    assert kinds["ceil"] == kinds["cat_2"] == kinds["softmax"] == kinds["mean"] == "global"
+
+
+def test_every_plan_loss_produces_equals_local(shared_server, profile_dir):
+    """Every lop model: each distinct schedule of the lossless table at 5/20/50/100 Mbit/s,
+    plus spatial schedules at shares 1/4, 1/2 and 3/4 on the two largest regions."""
+    for model in LOP_MODELS:
+        client = _client(shared_server, model, profile_dir, partition_codecs=("raw",))
+        try:
+            backend = _backend(client)
+            x = client.spec.example_input(client.input_size, seed=11)
+            with torch.inference_mode():
+                ref = client.model(x)
+            ls = backend.lop_state(x)
+            st = backend.state(x)
+            plans = {}
+            for bw in BUCKETS:
+                p = ls.table.lookup(bw)
+                plans.setdefault(p.key, p)
+            loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+            assert loss.regions, f"{model}: no local region between candidate cuts"
+            for i in sorted(range(len(loss.regions)), key=lambda i: -len(loss.regions[i][0].nodes))[:2]:
+                region, p1, p2 = loss.regions[i]
+                for step in (4, 8, 12):
+                    cand = Candidate(region, step / 16, loss.cost(i, step), p1, p2)
+                    from robot_offload.partition.loss import _lop_plan, predict
+                    p = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+                    plans.setdefault(p.key, p)
+            assert any(p.spatial for p in plans.values())
+            for p in plans.values():
+                stats = FrameStats()
+                y = backend.run_schedule(x, p, stats, 120)
+                _assert_same_outputs(y, ref, f"{model} {p.describe()}")
+                if p.spatial:
+                    assert stats.round_trips == 2
+                    assert stats.extra["lop"]["bytes_a"] + stats.extra["lop"]["bytes_b"] > 0
+                    assert math.isfinite(stats.predicted_latency_s)
+        finally:
+            client.close()
+
+
+def test_plans_switch_with_bandwidth_and_are_cached(shared_server, profile_dir, tmp_path):
+    client = _client(shared_server, "vgg19", profile_dir)
+    try:
+        backend = _backend(client)
+        x = client.spec.example_input(client.input_size, seed=1)
+        st = backend.state(x)
+        ls = backend.lop_state(x)
+        cfg = PlannerConfig(server_speedup=4.0, buckets=BUCKETS).validate()
+        calls = []
+
+        def factory():
+            calls.append(1)
+            return Loss(backend.graph, ls.spatial, st.profile)
+
+        t1 = load_or_solve(str(tmp_path), factory, st.profile, cfg)
+        t2 = load_or_solve(str(tmp_path), factory, st.profile, cfg)
+        assert len(calls) == 1 and [p.key for p in t1.plans] == [p.key for p in t2.plans]
+        assert t1.solve_s > 0
+        # Slower links favour schedules that send less.
+        sent = [(p.a_bytes + p.b_bytes) if p.spatial else p.partition.prediction.bytes_up
+                for p in t1.plans]
+        assert sent[0] <= sent[-1]
+        assert len({p.key for p in t1.plans}) >= 2, [p.describe() for p in t1.plans]
+        # The table on disk is data: JSON that names cuts and numbers.
+        text = LopTable.from_json(t1.to_json())
+        assert [p.key for p in text.plans] == [p.key for p in t1.plans]
+    finally:
+        client.close()
+
+
+def test_grid_solver_matches_or_beats_differential_evolution(shared_server, profile_dir):
+    client = _client(shared_server, "resnet101", profile_dir)
+    try:
+        backend = _backend(client)
+        x = client.spec.example_input(client.input_size, seed=1)
+        st = backend.state(x)
+        loss = Loss(backend.graph, backend.lop_state(x).spatial, st.profile)
+        for row in compare_solvers(loss, st.cfg, [10e6, 100e6]):
+            assert row["grid_objective"] <= row["de_objective"] + 1e-9, row
+    finally:
+        client.close()
+
+
+def test_no_local_operators_degrades_to_layer_partitioning():
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x.flatten(1))))
+
+    g = capture(Dense().eval(), leaf_modules=())
+    x = torch.randn(1, 4, 4, 4)
+    metas, _ = g.record(x)
+    sg = SpatialGraph(g, metas)
+    prof = build_profile(g, "dense", "h", [x], codecs=("raw",), compressions=("none",), repeats=1)
+    loss = Loss(g, sg, prof)
+    assert loss.regions == []
+    cfg = PlannerConfig(buckets=BUCKETS).validate()
+    plan = solve_grid(loss, 20e6, cfg)
+    assert not plan.spatial and plan.partition is not None
+
+
+def _lop_request(args, tensors=(), client_id="t"):
+    return ComputeRequest(client_id=client_id, model="vgg19", entry="lop_part",
+                          tensors=list(tensors), args_json=json.dumps(args))
+
+
+def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
+    client = _client(shared_server, "vgg19", profile_dir)
+    try:
+        loaded = shared_server.load("vgg19")
+        shape = [1, 3] + list(client.input_size)
+        g = capture(loaded.module)
+        first, last = list(g.inputs), ["features_36"]
+        good = {"phase": "part", "frame": "00ff00ff00ff", "first": first, "last": last,
+                "split": {"features_36": 1}, "input_shape": shape}
+        bad = [
+            {**good, "phase": "run"},
+            {**good, "frame": "../../etc"},
+            {**good, "extra": 1},
+            {**good, "first": ["nope"]},
+            {**good, "last": ["avgpool"]},                    # a global node
+            {**good, "first": ["features_36"], "last": first},  # backwards
+            {**good, "split": {"features_36": 99}},
+            {**good, "split": {}},
+            {**good, "input_shape": [1, 3, -4, 4]},
+        ]
+        for i, args in enumerate(bad):
+            args = {**args, "frame": args["frame"] if args["frame"] != good["frame"] else f"{i:08x}"}
+            with pytest.raises(RequestRejected) as e:
+                lop_executor.lop_part(shared_server, loaded, _lop_request(args))
+            assert e.value.code == StatusCode.BAD_REQUEST, args
+        # Right names, wrong tensor shape: refused, and the finish learns it at once.
+        x = torch.zeros(1, 3, 2, client.input_size[1])
+        args = {**good, "frame": "aaaaaaaaaaaa"}
+        with pytest.raises(RequestRejected):
+            lop_executor.lop_part(shared_server, loaded, _lop_request(args, [codec.encode(x, first[0])]))
+        fin = {"phase": "finish", "frame": "aaaaaaaaaaaa", "last": last, "input_shape": shape}
+        with pytest.raises(RequestRejected) as e:
+            lop_executor.lop_part(shared_server, loaded, _lop_request(fin))
+        assert "failed" in e.value.text
+        # A finish whose part never came is refused after the wait.
+        old = lop_executor.wait_s
+        lop_executor.wait_s = 0.05
+        try:
+            with pytest.raises(RequestRejected) as e:
+                lop_executor.lop_part(shared_server, loaded, _lop_request({**fin, "frame": "bbbbbbbbbbbb"}))
+            assert "no lop part" in e.value.text
+        finally:
+            lop_executor.wait_s = old
+    finally:
+        client.close()
