@@ -208,6 +208,10 @@ class LopBackend(LayerPartitionBackend):
         if c1.kind != INPUT_CUT:
             cost_robot += st.profile.cut(c1.id).head_s
         drift = st.tracker.observe("robot", cost_robot, t_b - t0)
+        cost_server = sum(st.profile.node_s.get(n, 0.0) * f
+                          for n, f in sg.computed_fraction(region, need_s).items())
+        drift |= st.tracker.observe("server", cost_server / st.cfg.server_speedup,
+                                    resp_a.server_compute_s)
         st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
         if drift:
             self._replan(st)
