@@ -46,7 +46,7 @@ class ClientConfig:
     idle_w: float = 4.04            # state model: robot power while waiting (W)
     # layer_partition (split point + activation encoding per predicted bandwidth)
     objective: str = "latency"      # what its plans minimise: latency | energy
-    error_tolerance: float = 0.005  # max relative output error of a lossy activation encoding
+    error_tolerance: float = 0.005  # max relative error of layer_partition outputs (activation + output codec)
     bandwidth_bps_default: float = 50e6  # bandwidth assumed while there is no prediction (bit/s)
     server_speedup: float = 10.0    # server compute = robot compute / this, until measured
     rtt_s: float = 0.002            # round trip of one request in the latency model (s)
@@ -87,12 +87,16 @@ class ClientConfig:
 class OffloadClient:
     """Runs frames through the backend of the current mode, with local fallback."""
 
-    def __init__(self, config: ClientConfig, transport: Optional[Transport]):
+    def __init__(self, config: ClientConfig, transport: Optional[Transport],
+                 model: Optional[torch.nn.Module] = None):
+        """``model``: an already built instance of the registry model ``config.model`` (the
+        application's own, e.g. for :mod:`robot_offload.lop`'s hook); by default the
+        client builds it. Its weights hash must match the server's either way."""
         self.config = config.validate()
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.spec = get_spec(config.model)
-        self.model = self.spec.build(config.weights or None)
+        self.model = model if model is not None else self.spec.build(config.weights or None)
         self.weights_hash = weights_hash(self.model)
         self.link = None
         if transport is not None:

@@ -301,3 +301,35 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
             lop_executor.wait_s = old
     finally:
         client.close()
+
+
+def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
+    """Fig. 5's usage: the application's own model, hooked; calls return local's outputs
+    through lop, the hook is removable, and a dead server falls back to local."""
+    from robot_offload.lop import IntraDP
+
+    spec = get_spec("mobilenet_v2")
+    model = spec.build().eval()
+    x = spec.example_input((128, 128), seed=2)
+    with torch.inference_mode():
+        ref = model(x)
+    transport = InProcessTransport(shared_server)
+    idp = IntraDP(transport=transport, input_size=(128, 128), profile_dir=profile_dir,
+                  timeout_s=120, load_timeout_s=120, partition_codecs=("raw",),
+                  partition_compressions=("none",))
+    idp.start_client(model, name="mobilenet_v2")
+    try:
+        with torch.inference_mode():
+            y = model(x)
+        assert idp.last_stats.executed_mode == "lop", idp.last_stats.fallback_reason
+        assert idp.last_stats.plan.startswith("lop")
+        _assert_same_outputs(y, ref, "hooked model")
+        # The server goes away: the hooked call still answers, locally.
+        transport.server = None
+        with torch.inference_mode():
+            y = model(x)
+        assert idp.last_stats.executed_mode == "local"
+        _assert_same_outputs(y, ref, "fallback")
+    finally:
+        idp.stop_client()
+    assert "forward" not in vars(model)

@@ -77,3 +77,11 @@ class RosServiceTransport(Transport):
         for p in proxies:
             p.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def connect(server_ns: str = "/offload_server", **kw) -> RosServiceTransport:
+    """A transport to the server under ``server_ns`` for a program that may not be a ROS
+    node yet (:mod:`robot_offload.lop`'s hook): initialises an anonymous node first."""
+    if not rospy.core.is_initialized():
+        rospy.init_node("robot_offload_client", anonymous=True, disable_signals=True)
+    return RosServiceTransport(server_ns, **kw)
