@@ -13,7 +13,8 @@ from robot_offload.errors import ConfigError
 from robot_offload.partition import profile as prof
 from robot_offload.partition.graph import capture
 from robot_offload.partition.planner import (DriftTracker, PlannerConfig, PlanTable,
-                                             bandwidth_buckets, best_plan, options, predict)
+                                             bandwidth_buckets, best_plan, options,
+                                             output_error_bound, predict)
 from robot_offload.partition.profile import CutProfile, Profile, output_error
 
 MB = 1e6
@@ -101,6 +102,26 @@ def test_error_tolerance_gates_lossy_codecs():
     # restricting the encodings
     plan = best_plan(p, 8 * MB, PlannerConfig(error_tolerance=0.01, encodings=("raw/none",)))
     assert plan.encoding == "raw/none" or plan.kind == "output"
+
+
+def test_output_codec_error_counts_against_the_tolerance():
+    """The tolerance is on what the backend returns: the server's lossy output encoding
+    adds its own (known, bounded) error to the activation codec's."""
+    p = _profile()      # int8 error at the input: 0.002
+
+    def allowed(**kw):
+        return {(c.id, e) for c, e, _ in options(p, PlannerConfig(error_tolerance=0.005, **kw))}
+    assert ("input", "int8/zstd") in allowed()
+    assert output_error_bound("raw") == 0.0
+    assert output_error_bound("float16") == 2.0 ** -11
+    assert 1 / 255 < output_error_bound("int8") < 1.01 / 255
+    # int8 outputs add up to 1/255 of max|y|: 2 * 0.002 + 0.0039 > 0.005; lossless stays
+    assert ("input", "int8/zstd") not in allowed(output_codec="int8")
+    assert ("input", "raw/none") in allowed(output_codec="int8")
+    # float16 outputs add 2**-11: 2 * 0.002 + 0.00049 <= 0.005
+    assert ("input", "int8/zstd") in allowed(output_codec="float16")
+    # an output codec alone beyond the tolerance leaves only the local plan
+    assert {c for c, _ in allowed(output_codec="int4")} == {"output"}
 
 
 def test_energy_objective_offloads_where_latency_does_not():
@@ -193,6 +214,17 @@ def test_build_profile_measures_cuts_bytes_and_errors(small):
         assert c.codec_error("raw") == 0.0
     residual = [c for c in p.cuts if len(c.crossing) == 2]
     assert residual, "the skip connection crosses some cut"
+    # The widest range of each crossing tensor over the calibration inputs, and a frame's
+    # ratio to it: 1 within calibration, the widening factor beyond.
+    inp = p.cuts[0]
+    assert inp.ranges == [max(prof.quant_range(x) for x in xs)]
+    assert inp.range_ratio([xs[0]]) == 1.0 and inp.range_ratio([xs[1] * 0.5]) == 1.0
+    assert inp.range_ratio([xs[0] * 3]) == pytest.approx(3 * prof.quant_range(xs[0]) / inp.ranges[0])
+    assert math.isinf(inp.range_ratio([]))
+    assert prof.quant_range(torch.tensor([1.0, 3.0])) == 3.0          # widened to include 0
+    assert prof.quant_range(torch.tensor([-2.0, 3.0])) == 5.0
+    assert prof.quant_range(torch.tensor([1, 7])) == 0.0               # integers go raw
+    assert all(len(c.ranges) == len(c.crossing) for c in p.candidates if c.kind != "output")
 
 
 def test_profile_cache_key_and_refresh(small, tmp_path):

@@ -15,10 +15,19 @@ Energy (the state model of :mod:`robot_offload.power`, phases in sequence)::
 
     energy = compute_w * (head + encode) + transmit_w * (up + down) + idle_w * (rtt + server)
 
-Constraint: a lossy codec is used at a cut only if its profiled output error (relative
-L-infinity, :func:`~robot_offload.partition.profile.output_error`, the maximum over the
-calibration inputs) times ``error_safety`` is within ``error_tolerance``; lossless encodings
-always qualify. Only the profile's candidate cuts are considered.
+Constraint: ``error_tolerance`` bounds the relative L-infinity error
+(:func:`~robot_offload.partition.profile.output_error`) of what the backend returns against
+the local outputs. Two encodings contribute: the robot's activation codec at the cut, whose
+error is profiled (the maximum over the calibration inputs, which include the first real
+frame) and taken ``error_safety`` times, and the server's ``output_codec``, whose error has
+a known bound (:func:`output_error_bound`: 0 for raw, 2**-11 for float16, 1/(2**b - 1) for
+the b-bit integer codecs). An encoding qualifies at an offloading cut if
+``error * error_safety <= (error_tolerance - e_out) / (1 + e_out)`` with ``e_out`` the output
+codec's bound (the two errors add, the second on outputs up to ``1 + error`` times as
+large); lossless activation encodings qualify whenever the output codec alone fits, and
+the output cut (all local) always. Only the profile's candidate cuts are considered. The
+backend keeps a frame within the same budget when its crossing tensors range wider than in
+calibration (see :meth:`~robot_offload.partition.profile.CutProfile.range_ratio`).
 
 ``robot_load`` and ``server_load`` are DynO's run-time scaling factors (measured / profiled
 time); :class:`DriftTracker` maintains them and says when the plans must be rebuilt.
@@ -51,8 +60,9 @@ def bandwidth_buckets(lo_bps: float = 1e6, hi_bps: float = 200e6, n: int = 24) -
 @dataclass(frozen=True)
 class PlannerConfig:
     objective: str = "latency"          # latency | energy
-    error_tolerance: float = 0.005      # max relative output error (profile.output_error)
-    error_safety: float = 2.0           # a codec qualifies if profiled error * this <= tolerance
+    error_tolerance: float = 0.005      # max relative output error (profile.output_error) of
+                                        # the returned outputs: activation + output codec
+    error_safety: float = 2.0           # profiled activation error * this must fit error_budget
     server_speedup: float = 10.0        # server time = robot time / speedup, until measured
     rtt_s: float = 0.002                # round-trip time of one request (s)
     compute_w: float = COMPUTE_W
@@ -129,6 +139,34 @@ def output_bytes(profile: Profile, output_codec: str) -> float:
     return float(total)
 
 
+def output_error_bound(output_codec: str) -> float:
+    """Largest relative error (max|dy| / max|y|) the server's output encoding can add: 0 for
+    raw, 2**-11 for float16 (round to nearest), and for the b-bit integer codecs half a step
+    of a range that is at most 2 max|y| wide, 1/(2**b - 1), plus float32 rounding (as
+    :func:`robot_offload.codec.tolerance`). Non-floating outputs are always sent raw."""
+    if output_codec == "raw":
+        return 0.0
+    if output_codec == "float16":
+        return 2.0 ** -11
+    if output_codec in codec.INT_BITS:
+        return (1.0 + 2e-3) / ((1 << codec.INT_BITS[output_codec]) - 1)
+    raise ConfigError(f"unknown output codec {output_codec!r}")
+
+
+def error_budget(cfg: PlannerConfig) -> float:
+    """What the activation encoding may err (after ``error_safety``) so that, with the
+    output codec's error on top, the returned outputs stay within ``error_tolerance``:
+    ``(tolerance - e_out) / (1 + e_out)``; negative when the output codec alone exceeds it."""
+    e_out = output_error_bound(cfg.output_codec)
+    return (cfg.error_tolerance - e_out) / (1.0 + e_out)
+
+
+def admits(cfg: PlannerConfig, error: float) -> bool:
+    """Whether an activation encoding with (profiled or estimated) output error ``error``
+    qualifies at an offloading cut under ``cfg`` (see the module docstring)."""
+    return error * cfg.error_safety <= error_budget(cfg)
+
+
 def server_time(profile: Profile, cut: CutProfile, cfg: PlannerConfig) -> float:
     measured = profile.server.get("tail_s", {}).get(cut.id)
     if measured is not None:
@@ -159,9 +197,10 @@ def predict(profile: Profile, cut: CutProfile, encoding: str, bandwidth_bps: flo
 
 
 def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str, float]]:
-    """Every (candidate cut, encoding, error) the planner may choose: encodings measured at
-    that cut whose profiled error, times ``error_safety`` (the profile's errors are maxima
-    over a few calibration inputs; other inputs do worse), is within the tolerance."""
+    """Every (candidate cut, encoding, error) the planner may choose: the output cut, and
+    the encodings measured at an offloading cut that :func:`admits` -- profiled error times
+    ``error_safety`` (the profile's errors are maxima over a few calibration inputs; other
+    inputs do worse) within what the output codec leaves of the tolerance."""
     encs = list(cfg.encodings) if cfg.encodings is not None else profile.encodings
     out = []
     for c in profile.candidates:
@@ -172,7 +211,7 @@ def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str,
             if c.wire_bytes(e) is None:
                 continue
             err = c.codec_error(split_encoding(e)[0])
-            if err * cfg.error_safety <= cfg.error_tolerance:
+            if admits(cfg, err):
                 out.append((c, e, err))
     return out
 

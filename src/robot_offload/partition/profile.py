@@ -10,13 +10,17 @@ A :class:`Profile` holds, for one model, weights, input shape and machine:
   tensors and, for the candidate cuts, the bytes on the wire and the encode time of each
   encoding (codec x compression, measured: compression depends on the data), and the
   output error of each lossy codec (DynO's accuracy profile), measured on calibration
-  inputs;
+  inputs, and the widest range of each crossing tensor over them;
 * server tail times measured at run time (``server_compute_s`` of the replies, per cut).
 
 What is estimated, not measured: the server's compute time of a cut that has not run on
 the server yet is the robot's tail time divided by ``server_speedup`` (the planner's
 parameter), corrected by the ratio observed on cuts that have run; transfer time is bytes
-/ predicted bandwidth + RTT. Errors are maxima over a few calibration inputs, not bounds.
+/ predicted bandwidth + RTT. Errors are maxima over a few calibration inputs, not bounds:
+the integer codecs' error grows with the range of the tensor they quantise (the step is
+range / (2**b - 1)), so a frame whose crossing tensors range wider than any calibration
+input's can err more; :meth:`CutProfile.range_ratio` says by how much, for the backend to
+check each frame against the planner's budget.
 
 Candidate cuts (the only cuts the planner chooses) are found in two steps, so that the
 encoding and error measurements stay affordable for graphs of hundreds of nodes: first the
@@ -53,7 +57,7 @@ from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, ModelGraph
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2     # 2: CutProfile.ranges
 DEFAULT_PROFILE_DIR = os.path.join("~", ".cache", "robot_offload", "profiles")
 #: Codecs and compressions a profile measures by default (DynO: 3..8 bits cover most layers).
 DEFAULT_CODECS = ("raw", "float16", "int8", "int6", "int5", "int4", "int3")
@@ -68,6 +72,15 @@ def encoding_key(codec_name: str, compression: str) -> str:
 def split_encoding(key: str) -> Tuple[str, str]:
     c, _, z = key.partition("/")
     return c, z
+
+
+def quant_range(t: torch.Tensor) -> float:
+    """The range an integer codec quantises ``t`` over: max(hi, 0) - min(lo, 0) (0 for
+    non-floating or empty tensors, which are sent raw)."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+        return 0.0
+    lo, hi = torch.aminmax(t.detach().float())
+    return max(float(hi), 0.0) - min(float(lo), 0.0)
 
 
 def output_error(y, ref) -> float:
@@ -138,6 +151,9 @@ class CutProfile:
     bytes: Dict[str, float] = field(default_factory=dict)      # encoding -> bytes on the wire
     encode_s: Dict[str, float] = field(default_factory=dict)   # encoding -> robot encode time
     error: Dict[str, float] = field(default_factory=dict)      # codec -> relative output error
+    #: per crossing tensor (in ``crossing`` order), the widest quantisation range
+    #: max(hi, 0) - min(lo, 0) over the calibration inputs (candidate cuts; 0: not floating)
+    ranges: List[float] = field(default_factory=list)
 
     def wire_bytes(self, key: str) -> Optional[float]:
         if self.kind == OUTPUT_CUT:
@@ -148,6 +164,20 @@ class CutProfile:
         if codec_name in LOSSLESS_CODECS or self.kind == OUTPUT_CUT:
             return 0.0
         return self.error.get(codec_name, math.inf)
+
+    def range_ratio(self, tensors: Sequence[torch.Tensor]) -> float:
+        """How much wider than in calibration the widest of these crossing tensors (this
+        frame's, in ``crossing`` order) ranges: >= 1, 1 when none is wider. An integer
+        codec's step, and with it (to first order) its output error, scales by this. inf
+        when the calibration ranges are unknown or a range was 0 and is not now."""
+        if len(self.ranges) != len(tensors):
+            return math.inf
+        ratio = 1.0
+        for t, calibrated in zip(tensors, self.ranges):
+            r = quant_range(t)
+            if r > calibrated:
+                ratio = max(ratio, r / calibrated if calibrated > 0 else math.inf)
+        return ratio
 
 
 @dataclass
@@ -221,6 +251,8 @@ class Profile:
                 raise ConfigError("malformed profile: crossing names")
             if not all(isinstance(v, dict) for v in (c.bytes, c.encode_s, c.error)):
                 raise ConfigError("malformed profile: per-encoding measurements")
+            if not (isinstance(c.ranges, list) and all(isinstance(v, (int, float)) for v in c.ranges)):
+                raise ConfigError("malformed profile: ranges")
         server = p.server
         if not (isinstance(server, dict) and isinstance(server.get("tail_s"), dict)
                 and all(isinstance(v, (int, float)) for v in server["tail_s"].values())):
@@ -381,6 +413,7 @@ def build_profile(graph: ModelGraph, model_name: str, weights_hash: str,
 
     # Step 3: output error of each lossy codec at each candidate cut (DynO's accuracy
     # profile), most bits first; stop once a codec is far beyond any useful tolerance.
+    # And the widest range of each crossing tensor, against which frames are checked.
     lossy = sorted((c for c in codecs if c not in LOSSLESS_CODECS), key=_bits, reverse=True)
     for i in sorted(candidates):
         p, cut = profiles[i], cuts[i]
@@ -390,6 +423,7 @@ def build_profile(graph: ModelGraph, model_name: str, weights_hash: str,
         with torch.inference_mode():
             for x in calibration:
                 heads.append(list(graph.head_module(cut)(x)))
+        p.ranges = [max(quant_range(h[k]) for h in heads) for k in range(len(p.crossing))]
         for cd in lossy:
             err = 0.0
             for tensors, ref in zip(heads, refs):
