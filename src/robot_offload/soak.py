@@ -20,8 +20,11 @@ then); the baseline is taken after that. At the end (and after the client is idl
 RSS, open file descriptors and OS threads of this process are compared with the baseline,
 and likewise for each server instance (ROS only) from its first answered request to its
 end. Exit status 1 if RSS grew by more than ``--max-rss-growth-mb`` or the thread or fd
-count grew at all (``--max-thread-growth`` / ``--max-fd-growth``), or if an output was
-malformed; 2 for bad arguments or an environment that cannot run it.
+count grew at all (``--max-thread-growth`` / ``--max-fd-growth``), if an output was
+malformed, or if a ``layer_partition`` output erred more than the client's
+``error_tolerance`` against the local outputs (the error of
+:func:`~robot_offload.partition.profile.output_error`, reported per executed mode as
+``max_relative_error``); 2 for bad arguments or an environment that cannot run it.
 """
 
 import argparse
@@ -42,7 +45,7 @@ import torch
 from robot_offload import auth, backends
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
-
+from robot_offload.partition.profile import output_error
 
 
 def _say(msg: str) -> None:
@@ -243,8 +246,7 @@ def run(args) -> dict:
             if not _check_output(out) or out.shape != references[k].shape:
                 bad_outputs += 1
             else:
-                ref = references[k]
-                err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+                err = output_error(out, references[k])
                 max_err[stats.executed_mode] = max(max_err[stats.executed_mode], err)
 
         t0 = time.perf_counter()
@@ -312,6 +314,9 @@ def run(args) -> dict:
                 failures.append(f"server instance {n}: RSS grew by {d['rss_mb']} MB")
     if bad_outputs:
         failures.append(f"{bad_outputs} malformed outputs")
+    if max_err.get("layer_partition", 0.0) > cfg.error_tolerance:
+        failures.append(f"layer_partition erred {max_err['layer_partition']:.5f} against local "
+                        f"(error_tolerance {cfg.error_tolerance})")
     offloading = [m for m in modes if m != "local"]
     never = [m for m in offloading if executed[m].get(m, 0) == 0]
     if never:
