@@ -11,6 +11,7 @@
 * the server refuses malformed lop requests and a finish without its part.
 """
 
+import dataclasses
 import json
 import math
 
@@ -23,8 +24,8 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import capture
-from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
-                                          load_or_solve, solve_grid)
+from robot_offload.partition.loss import (Candidate, LopTable, Loss, compare_solvers,
+                                          load_or_solve, solve_buckets, solve_grid)
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import build_profile
 from robot_offload.partition.spatial import SpatialGraph
@@ -226,6 +227,14 @@ def test_grid_solver_matches_or_beats_differential_evolution(shared_server, prof
         loss = Loss(backend.graph, backend.lop_state(x).spatial, st.profile)
         for row in compare_solvers(loss, st.cfg, [10e6, 100e6]):
             assert row["grid_objective"] <= row["de_objective"] + 1e-9, row
+        # The vectorised table solver finds the scalar grid's optimum in every bucket.
+        cfg = dataclasses.replace(st.cfg, buckets=(2e6, 10e6, 40e6, 150e6))
+        for objective in ("latency", "energy"):
+            cfg = dataclasses.replace(cfg, objective=objective)
+            for b, p in zip(cfg.buckets, solve_buckets(loss, cfg)):
+                g = solve_grid(loss, b, cfg)
+                key = (lambda q: q.latency_s) if objective == "latency" else (lambda q: q.energy_j)
+                assert key(p) == pytest.approx(key(g), rel=1e-9), (b, p.describe(), g.describe())
     finally:
         client.close()
 

@@ -25,7 +25,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -35,8 +35,8 @@ from robot_offload.backends.layer_partition import LayerPartitionBackend, _encod
 from robot_offload.errors import OffloadTimeout
 from robot_offload.partition.graph import INPUT_CUT, Cut
 from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
-from robot_offload.partition.planner import PlannerConfig
-from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
+from robot_offload.partition.planner import PlannerConfig, admits
+from robot_offload.partition.profile import DEFAULT_PROFILE_DIR, CutProfile, quant_range
 from robot_offload.partition.spatial import Region, SpatialGraph
 from robot_offload.protocol import ComputeRequest, raise_for_status
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _LopState:
     spatial: SpatialGraph
+    loss: Optional[Loss]         # stripe geometry (built lazily, kept across re-plans)
     cfg: PlannerConfig
     table: LopTable
     prepared: bool = False       # the server has its graph and record for this shape
@@ -72,17 +73,23 @@ class LopBackend(LayerPartitionBackend):
         shape = tuple(int(s) for s in x.shape)
         ls = self._lop.get(shape)
         if ls is None or ls.cfg != st.cfg:
-            spatial = ls.spatial if ls is not None else None
-            if spatial is None:
+            if ls is None:
                 metas, _ = self.graph.record(torch.zeros_like(x))
-                spatial = SpatialGraph(self.graph, metas)
+                holder = _LopState(SpatialGraph(self.graph, metas), None, st.cfg, None)
+            else:
+                holder = ls
+
+            def geometry() -> Loss:
+                if holder.loss is None or holder.loss.profile is not st.profile:
+                    holder.loss = Loss(self.graph, holder.spatial, st.profile, self.share_steps)
+                return holder.loss
+
             directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
-            table = load_or_solve(directory, lambda: Loss(self.graph, spatial, st.profile, self.share_steps),
-                                  st.profile, st.cfg, self.share_steps)
+            table = load_or_solve(directory, geometry, st.profile, st.cfg, self.share_steps)
             log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
                      self.ctx.spec.name, table.solve_s)
-            ls = self._lop[shape] = _LopState(spatial, st.cfg, table,
-                                               prepared=ls.prepared if ls is not None else False)
+            holder.cfg, holder.table = st.cfg, table
+            ls = self._lop[shape] = holder
         return ls
 
     def _prepare(self, ls: _LopState, shape, timeout_s: float) -> None:
@@ -155,12 +162,13 @@ class LopBackend(LayerPartitionBackend):
         robot_rows, server_rows = sg.split_rows(region, plan.share)
         need_r = sg.needs(region, robot_rows)
         need_s = sg.needs(region, server_rows)
-        a_tensors = []
+        a_parts = {}
         for name in region.inputs:
             if name in need_s:
                 a, b = need_s[name]
-                part = first[name].narrow(sg.axis(name), a, b - a).contiguous()
-                a_tensors.append(_encode(part, name, plan.codec, plan.compression))
+                a_parts[name] = first[name].narrow(sg.axis(name), a, b - a).contiguous()
+        codec_a = _frame_codec(plan, st.profile.cut(c1.id), a_parts, st.cfg)
+        a_tensors = [_encode(t, n, codec_a, plan.compression) for n, t in a_parts.items()]
         frame = secrets.token_hex(8)
         req_a = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
@@ -174,13 +182,14 @@ class LopBackend(LayerPartitionBackend):
         fut_a = link.transport.submit("compute", req_a, deadline - t_a)
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
-        b_tensors = []
+        b_parts = {}
         for name in region.outputs:
             upto = held_from(need_s, name, sg.rows(name))
             if upto > 0:
                 src = first[name] if name in first else mine[name][0]
-                b_tensors.append(_encode(src.narrow(sg.axis(name), 0, upto).contiguous(), name,
-                                         plan.codec, plan.compression))
+                b_parts[name] = src.narrow(sg.axis(name), 0, upto).contiguous()
+        codec_b = _frame_codec(plan, st.profile.cut(c2.id), b_parts, st.cfg)
+        b_tensors = [_encode(t, n, codec_b, plan.compression) for n, t in b_parts.items()]
         req_b = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
             args_json=_json({"phase": "finish", "frame": frame, "last": list(region.outputs),
@@ -218,9 +227,30 @@ class LopBackend(LayerPartitionBackend):
         stats.extra["lop"] = {
             "schedule": plan.describe(), "spatial": True, "share": plan.share,
             "first": c1.label, "last": c2.label, "codec": plan.codec,
+            "codec_sent": [codec_a, codec_b], "guarded": (codec_a, codec_b) != (plan.codec,) * 2,
             "compression": plan.compression, "bandwidth_bps": bw,
             "predicted_s": plan.latency_s, "actual_s": t_end - t0,
             "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes,
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
             "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
+
+
+def _frame_codec(plan: LopPlan, cut: CutProfile, parts: Dict[str, torch.Tensor],
+                 cfg: PlannerConfig) -> str:
+    """The plan's codec for one transfer, or ``raw`` when the plan's integer codec was
+    admitted on its profiled error but the rows sent this frame range wider than the cut's
+    tensors did in calibration, by a ratio that takes the scaled error past the budget
+    (layer partitioning's guard, applied to the rows each side sends)."""
+    if plan.codec not in codec.INT_BITS or not admits(cfg, plan.error) or not parts:
+        return plan.codec
+    calibrated = dict(zip(cut.crossing, cut.ranges)) if len(cut.ranges) == len(cut.crossing) else {}
+    ratio = 1.0
+    for name, t in parts.items():
+        ref = calibrated.get(name)
+        if ref is None:
+            return "raw"
+        r = quant_range(t)
+        if r > ref:
+            ratio = max(ratio, r / ref if ref > 0 else math.inf)
+    return "raw" if ratio > 1.0 and not admits(cfg, plan.error * ratio) else plan.codec

@@ -23,6 +23,10 @@ from robot_offload.models import get_spec
 from robot_offload.testbed import CpuLimit, Testbed, TraceReplayer, choose_mechanism
 from robot_offload.testbed import traces as tr
 
+#: Wait per warm-up frame (s): the first layer_partition / lop frame profiles the model on
+#: the robot (every cut, codec and compression), minutes under a 0.5-CPU quota.
+WARMUP_FRAME_TIMEOUT_S = 900.0
+
 
 def parse_trace(spec: str, duration_s: float) -> tr.Trace:
     """``const:50`` (Mbit/s), ``indoor``, ``outdoor``, ``iperf:PATH`` or ``csv:PATH``."""
@@ -196,11 +200,12 @@ class BenchRunner:
         argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", mode,
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
-                "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s)]
+                "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
+                "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
         driver = tb.run("robot", argv, env=robot_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                         stderr=self._log(f"driver-{model}-{trace.name}-{mode}.log"), text=True)
         try:
-            _wait_for_line(driver, "READY", 600)
+            _wait_for_line(driver, "READY", 60 + WARMUP_FRAME_TIMEOUT_S * max(1, cfg.warmup))
             repeat = 1 + int(cfg.frames * 60 / max(trace.duration_s, 1))   # never run out of trace
             with TraceReplayer(tb, trace, repeat=repeat) as replayer:
                 driver.stdin.write("GO\n")

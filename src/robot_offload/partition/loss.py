@@ -61,14 +61,14 @@ from typing import Dict, List, Optional, Tuple
 
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph
-from robot_offload.partition.planner import (Plan, PlannerConfig, best_plan, options,
+from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, options,
                                              output_bytes, server_time)
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
 from robot_offload.partition.spatial import Region, SpatialGraph
 
 log = logging.getLogger(__name__)
 
-LOSS_VERSION = 1
+LOSS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ class LopPlan:
     share: float = 0.0                 # robot's share of the c2 rows
     codec: str = "raw"
     compression: str = "none"
+    error: float = 0.0                 # profiled output error of the codec (worse cut)
     a_bytes: float = 0.0
     b_bytes: float = 0.0
 
@@ -256,7 +257,8 @@ def _enc_s_per_byte(cut: CutProfile, encoding: str) -> float:
 
 def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List[Tuple[str, float]]:
     """Encodings usable for both transfers of ``cand`` and their profiled error (the worse
-    of the two cuts), within the tolerance like the layer-partition planner's."""
+    of the two cuts), admitted as by the layer-partition planner (safety factor, output
+    codec's error counted)."""
     encs = list(cfg.encodings) if cfg.encodings is not None else profile.encodings
     out = []
     for e in encs:
@@ -264,7 +266,7 @@ def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List
             continue
         cd = split_encoding(e)[0]
         err = max(cand.first.codec_error(cd), cand.last.codec_error(cd) if cand.last.kind != OUTPUT_CUT else 0.0)
-        if err * cfg.error_safety <= cfg.error_tolerance:
+        if admits(cfg, err):
             out.append((e, err))
     return out
 
@@ -305,12 +307,13 @@ def _objective(p, cfg: PlannerConfig) -> float:
     return p.latency_s if cfg.objective == "latency" else p.energy_j
 
 
-def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float) -> LopPlan:
+def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
+              error: float = 0.0) -> LopPlan:
     cd, z = split_encoding(encoding)
     return LopPlan(bandwidth_bps=bw, latency_s=p.latency_s, energy_j=p.energy_j,
                    first=tuple(cand.region.inputs), last=tuple(cand.region.outputs),
                    first_label=cand.first.label, last_label=cand.last.label, share=cand.share,
-                   codec=cd, compression=z, a_bytes=p.a_bytes, b_bytes=p.b_bytes)
+                   codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes)
 
 
 def _partition_plan(plan: Plan) -> LopPlan:
@@ -330,7 +333,7 @@ def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
             p = predict(loss.profile, cand, e, bandwidth_bps, cfg, down)
             key = (_objective(p, cfg), p.a_bytes + p.b_bytes, err)
             if best_key is None or key < best_key:
-                best, best_key = _lop_plan(cand, e, p, bandwidth_bps), key
+                best, best_key = _lop_plan(cand, e, p, bandwidth_bps, err), key
     if not spatial_only:
         lp = best_plan(loss.profile, bandwidth_bps, cfg, options(loss.profile, cfg))
         lp_obj = lp.prediction.latency_s if cfg.objective == "latency" else lp.prediction.energy_j
@@ -339,6 +342,76 @@ def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
     if best is None:
         raise ConfigError(f"{loss.profile.model}: no schedule satisfies the constraints")
     return best
+
+
+def solve_buckets(loss: Loss, cfg: PlannerConfig) -> List[LopPlan]:
+    """:func:`solve_grid` for every bucket of ``cfg``, vectorised: the same model and the
+    same decision space evaluated as arrays (candidates x encodings x buckets), so a whole
+    table costs about what one bucket costs in the scalar loop (a test checks they agree)."""
+    import numpy as np
+
+    cands = loss.candidates()
+    buckets = np.asarray(cfg.buckets, dtype=float)
+    lp = [_partition_plan(best_plan(loss.profile, b, cfg, options(loss.profile, cfg)))
+          for b in cfg.buckets]
+    encs = list(cfg.encodings) if cfg.encodings is not None else loss.profile.encodings
+    if not cands or not encs:
+        return lp
+    n_c, n_e = len(cands), len(encs)
+    ratio_a = np.full((n_c, n_e), np.nan)
+    ratio_b = np.full((n_c, n_e), np.nan)
+    eps_a = np.zeros((n_c, n_e))
+    eps_b = np.zeros((n_c, n_e))
+    err = np.full((n_c, n_e), np.inf)
+    ok_cache: Dict[Tuple[str, str], Dict[str, float]] = {}
+    for i, c in enumerate(cands):
+        key = (c.first.id, c.last.id)
+        ok = ok_cache.get(key)
+        if ok is None:
+            ok = ok_cache[key] = dict(encodings_for(loss.profile, c, cfg))
+        for j, e in enumerate(encs):
+            if e in ok:
+                ratio_a[i, j], ratio_b[i, j] = _ratio(c.first, e), _ratio(c.last, e)
+                eps_a[i, j], eps_b[i, j] = _enc_s_per_byte(c.first, e), _enc_s_per_byte(c.last, e)
+                err[i, j] = ok[e]
+    r, v = cfg.robot_load, cfg.server_load
+    a_raw = np.array([c.cost.a_raw_bytes for c in cands])[:, None]
+    b_raw = np.array([c.cost.b_raw_bytes for c in cands])[:, None]
+    robot_s = np.array([c.cost.robot_s for c in cands])[:, None]
+    srv_s = np.array([c.cost.server_robot_s for c in cands])[:, None]
+    head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
+    tail = np.array([0.0 if c.last.kind == OUTPUT_CUT else server_time(loss.profile, c.last, cfg)
+                     for c in cands])[:, None, None]
+    a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
+    enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
+    down = output_bytes(loss.profile, cfg.output_codec)
+    bw = buckets[None, None, :]
+    a_sent = (head + enc_a)[:, :, None] + a_bytes[:, :, None] * 8.0 / bw
+    robot = (head + enc_a + r * robot_s + enc_b)[:, :, None]
+    s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, :, None]
+    b_in = np.maximum(robot, a_sent) + b_bytes[:, :, None] * 8.0 / bw + cfg.rtt_s / 2
+    latency = np.maximum(b_in, s_ready) + tail + down * 8.0 / bw + cfg.rtt_s / 2
+    if cfg.objective == "latency":
+        obj = latency
+    else:
+        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down) * 8.0 / bw
+        waiting = np.maximum(0.0, latency - robot)
+        obj = (cfg.compute_w * robot + cfg.transmit_w * np.minimum(waiting, tx)
+               + cfg.idle_w * np.maximum(0.0, waiting - tx))
+    obj = np.where(np.isnan(obj), np.inf, obj)
+    plans = []
+    flat = obj.reshape(n_c * n_e, len(buckets))
+    best = flat.argmin(axis=0)
+    for k, b in enumerate(cfg.buckets):
+        lp_plan = lp[k]
+        lp_obj = lp_plan.latency_s if cfg.objective == "latency" else lp_plan.energy_j
+        i, j = divmod(int(best[k]), n_e)
+        if not math.isfinite(flat[best[k], k]) or lp_obj <= flat[best[k], k]:
+            plans.append(lp_plan)
+            continue
+        p = predict(loss.profile, cands[i], encs[j], b, cfg, down)
+        plans.append(_lop_plan(cands[i], encs[j], p, b, float(err[i, j])))
+    return plans
 
 
 def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0,
@@ -416,9 +489,10 @@ class LopTable:
 
     @classmethod
     def build(cls, loss: Loss, cfg: PlannerConfig) -> "LopTable":
+        """Every bucket at once (:func:`solve_buckets`); the geometry of ``loss`` is reused,
+        so re-planning with new load factors is arithmetic only."""
         t0 = time.perf_counter()
-        cands = loss.candidates()
-        plans = [solve_grid(loss, b, cfg, cands) for b in cfg.buckets]
+        plans = solve_buckets(loss, cfg)
         return cls(cfg.buckets, plans, time.perf_counter() - t0 + loss.geometry_s)
 
     def lookup(self, bandwidth_bps: float) -> LopPlan:

@@ -87,11 +87,11 @@ class Driver:
                 self._cond.wait(left)
             return self._stats.pop(key)
 
-    def run_frames(self, n, record, t_origin):
+    def run_frames(self, n, record, t_origin, timeout_s=None):
         rows = []
         for i in range(n):
             key, t_pub = self.publish(i)
-            got = self.wait_stats(key, self.args.frame_timeout_s)
+            got = self.wait_stats(key, timeout_s or self.args.frame_timeout_s)
             if got is None:
                 rows.append({"frame": i, "t_s": t_pub - t_origin, "lost": True})
                 continue
@@ -141,6 +141,9 @@ def main(argv=None):
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--frame-timeout-s", type=float, default=30.0)
+    ap.add_argument("--warmup-timeout-s", type=float, default=0.0,
+                    help="wait per warm-up frame (0: --frame-timeout-s); the first frame of "
+                         "layer_partition and lop profiles the model on the robot, minutes at 0.5 CPU")
     ap.add_argument("--no-go", action="store_true", help="do not wait for a line on stdin")
     ap.add_argument("--server-ns", default="/offload_server")
     args = ap.parse_args(rospy.myargv(argv if argv is not None else sys.argv)[1:])
@@ -155,7 +158,8 @@ def main(argv=None):
     deadline = time.monotonic() + 30
     while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    d.run_frames(args.warmup, record=False, t_origin=time.monotonic())
+    d.run_frames(args.warmup, record=False, t_origin=time.monotonic(),
+                 timeout_s=args.warmup_timeout_s or None)
     print("READY", flush=True)
     if not args.no_go:
         sys.stdin.readline()
