@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from robot_offload import codec, server as server_mod
 from robot_offload.codec import EncodedTensor
 from robot_offload.models import registry
+from robot_offload.partition import lop_executor
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     LoadModelResponse, PingRequest, PingResponse, StatusCode)
 from robot_offload.request_check import MAX_ARGS_JSON_CHARS, MAX_TENSORS
@@ -49,9 +50,12 @@ def fuzz_server():
     # and take the CPU from hypothesis on a small machine (3x slower here).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # A lop finish waits for its part (10 s by default); nonsense finishes have none.
+    wait_s, lop_executor.wait_s = lop_executor.wait_s, 0.01
     s = OffloadServer(ServerConfig(device="cpu", max_request_bytes=MAX_BYTES, max_input_elements=100_000))
     assert s.handle("load_model", LoadModelRequest("fuzz", MODEL)).status == StatusCode.OK
     yield s
+    lop_executor.wait_s = wait_s
     torch.set_num_threads(threads)
     logging.getLogger("robot_offload").setLevel(logging.NOTSET)
 
@@ -165,7 +169,13 @@ def bad_tensor(draw):
 
 
 _ARGS = ["", "{}", " ", '{"cut": "input", "input_shape": [1, 3, 32, 32]}', '{"cut": ["nope"]}',
-         '{"ops": []}', '{"a": [1, 2], "b": "c"}', '{"input_shape": [1, 3, 32, 32]}', '{"x": null}']
+         '{"ops": []}', '{"a": [1, 2], "b": "c"}', '{"input_shape": [1, 3, 32, 32]}', '{"x": null}',
+         # lop_part: valid arguments (resnet18's graph), nonsense tensors
+         '{"phase": "prepare", "input_shape": [1, 3, 32, 32]}',
+         '{"phase": "part", "frame": "0123456789ab", "first": ["x"], "last": ["layer1_1_relu_1"], '
+         '"split": {"layer1_1_relu_1": 3}, "input_shape": [1, 3, 32, 32]}',
+         '{"phase": "finish", "frame": "0123456789ab", "last": ["layer1_1_relu_1"], '
+         '"input_shape": [1, 3, 32, 32]}']
 
 
 @st.composite
@@ -367,7 +377,7 @@ def test_fuzz_compute_wellformed_nonsense(fuzz_server, valid, entry):
         if r.status == StatusCode.OK:
             for t in r.tensors:
                 codec.decode(t)
-        elif entry in ("forward", "partition_tail"):
+        elif entry in ("forward", "partition_tail", "lop_part"):
             assert r.status != StatusCode.INTERNAL, r.status_text   # built-ins: a clear error
         valid.tick(every=5)
 
