@@ -53,6 +53,66 @@ def _group(rows, keys):
     return out
 
 
+def comparison_table(rows: Sequence[dict]) -> str:
+    """Per model and trace: median latency of each mode side by side, and the ratios the
+    issues' targets are stated in (layer_partition against the better of local and
+    full_offload; lop against layer_partition and against the best other mode)."""
+    frames = [r for r in rows if not r.get("lost")]
+    modes = sorted({r["mode_asked"] for r in frames})
+    lines = ["| model | trace | " + " | ".join(f"{m} ms" for m in modes)
+             + " | LP / min(local, full) | lop / LP | lop / best other |",
+             "|---|---|" + "---|" * (len(modes) + 3)]
+    for (model, trace), rs in sorted(_group(frames, ("model", "trace")).items()):
+        med = {m: float(np.median([r["latency_s"] for r in rs if r["mode_asked"] == m])) * 1e3
+               for m in modes if any(r["mode_asked"] == m for r in rs)}
+
+        def ratio(a, bs):
+            bs = [med[b] for b in bs if b in med]
+            return f"{med[a] / min(bs):.2f}" if a in med and bs else "n/a"
+
+        others = [m for m in med if m != "lop"]
+        lines.append(f"| {model} | {trace} | " + " | ".join(f"{med[m]:.0f}" if m in med else "n/a"
+                                                           for m in modes)
+                     + f" | {ratio('layer_partition', ['local', 'full_offload'])}"
+                     f" | {ratio('lop', ['layer_partition'])} | {ratio('lop', others)} |")
+    return "\n".join(lines)
+
+
+def prediction_table(rows: Sequence[dict]) -> str:
+    """The planners' predicted latency against the measured one, per model and mode
+    (frames with a prediction: layer_partition and lop), with the plans they ran."""
+    frames = [r for r in rows if not r.get("lost") and r.get("executed_mode") == r.get("mode_asked")
+              and np.isfinite(float(r.get("predicted_latency_s", float("nan"))))]
+    lines = ["| model | mode | frames | median predicted ms | median measured ms | "
+             "median abs. error % | plans (frames) |", "|---|---|---|---|---|---|---|"]
+    for (model, mode), rs in sorted(_group(frames, ("model", "mode_asked")).items()):
+        pred = np.array([float(r["predicted_latency_s"]) for r in rs])
+        act = np.array([float(r["latency_s"]) for r in rs])
+        plans: Dict[str, int] = {}
+        for r in rs:
+            plans[str(r.get("plan", ""))] = plans.get(str(r.get("plan", "")), 0) + 1
+        top = "; ".join(f"{p} ({n})" for p, n in sorted(plans.items(), key=lambda kv: -kv[1])[:3])
+        lines.append(f"| {model} | {mode} | {len(rs)} | {1e3 * np.median(pred):.0f} | "
+                     f"{1e3 * np.median(act):.0f} | {100 * np.median(np.abs(pred - act) / act):.0f} | {top} |")
+    return "\n".join(lines)
+
+
+def compute_ratio_table(rows: Sequence[dict]) -> str:
+    """Robot / server compute ratio per model: the median robot compute of ``local`` frames
+    over the median server compute of ``full_offload`` frames (same frames, one run)."""
+    frames = [r for r in rows if not r.get("lost")]
+    lines = ["| model | robot forward ms (local) | server forward ms (full_offload) | ratio |",
+             "|---|---|---|---|"]
+    for (model,), rs in sorted(_group(frames, ("model",)).items()):
+        robot = [r["robot_compute_s"] for r in rs if r.get("executed_mode") == "local"
+                 and r["mode_asked"] == "local"]
+        server = [r["server_compute_s"] for r in rs if r.get("executed_mode") == "full_offload"]
+        if robot and server:
+            a, b = 1e3 * float(np.median(robot)), 1e3 * float(np.median(server))
+            lines.append(f"| {model} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
+    return "\n".join(lines)
+
+
 def predictor_table(traces: Sequence[object]) -> str:
     scored, rows = score_predictors(traces)
     names = [p.name for _, p in scored]
@@ -130,6 +190,9 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
     md += [f"- lost frames (no stats within the driver's timeout): {len(lost)}", "",
            "## Results (medians unless p95; fps = frames / span, closed loop)\n",
            markdown_table(summary), "", "## Physical-limit check\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
+    md += ["", "## Modes side by side (median latency)\n", comparison_table(frames), "",
+           "## Robot / server compute\n", compute_ratio_table(frames), "",
+           "## Planner prediction\n", prediction_table(frames)]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
     text = "\n".join(md) + "\n"
