@@ -92,8 +92,9 @@ def _slab_check(sg, region, x_first, full_last, share):
                 t, r0 = out[n]
                 parts.setdefault(n, []).append(t.narrow(sg.axis(n), a - r0, b - a))
     for n in region.outputs:
-        torch.testing.assert_close(torch.cat(parts[n], dim=sg.axis(n)), full_last[n],
-                                   rtol=1e-4, atol=1e-5)
+        ref = full_last[n]
+        torch.testing.assert_close(torch.cat(parts[n], dim=sg.axis(n)), ref, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, float(ref.abs().max())))
 
 
 @pytest.mark.parametrize("model", LOP_MODELS)
@@ -325,13 +326,15 @@ def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
     transport = InProcessTransport(shared_server)
     idp = IntraDP(transport=transport, input_size=(128, 128), profile_dir=profile_dir,
                   timeout_s=120, load_timeout_s=120, partition_codecs=("raw",),
-                  partition_compressions=("none",))
+                  partition_compressions=("none",), server_speedup=1000.0,
+                  bandwidth_bps_default=1e9)
     idp.start_client(model, name="mobilenet_v2")
     try:
         with torch.inference_mode():
             y = model(x)
         assert idp.last_stats.executed_mode == "lop", idp.last_stats.fallback_reason
         assert idp.last_stats.plan.startswith("lop")
+        assert idp.last_stats.round_trips >= 1      # a fast server: the plan uses it
         _assert_same_outputs(y, ref, "hooked model")
         # The server goes away: the hooked call still answers, locally.
         transport.server = None
