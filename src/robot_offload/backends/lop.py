@@ -180,6 +180,8 @@ class LopBackend(LayerPartitionBackend):
         t_a = time.perf_counter()
         stats.add_compute(t0, t_a)
         fut_a = link.transport.submit("compute", req_a, deadline - t_a)
+        a_done = []      # when A's reply arrived: its transfer ends there, not when we look
+        fut_a.add_done_callback(lambda _: a_done.append(time.perf_counter()))
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
         b_parts = {}
@@ -204,11 +206,19 @@ class LopBackend(LayerPartitionBackend):
         except TimeoutError:
             raise OffloadTimeout("lop: transfer A did not complete before the deadline") from None
         raise_for_status(resp_a.status, resp_a.status_text)
-        t_a_done = time.perf_counter()
+        t_a_done = a_done[0] if a_done else time.perf_counter()
         y = structure.unflatten([codec.decode(t) for t in resp_b.tensors], resp_b.structure_json)
         t_end = time.perf_counter()
-        stats.add_call(t_a, min(t_a_done, t_b_done), resp_a.server_compute_s, req_a.payload_bytes, 0)
-        stats.add_call(t_b, t_b_done, resp_b.server_compute_s, req_b.payload_bytes, resp_b.payload_bytes)
+        # Transfer time = wall time of each call minus the server's whole handling time
+        # (B's includes waiting for A's stripe): what the bandwidth monitor divides the
+        # bytes by. Compute time is the servers' own.
+        stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,
+                       req_a.payload_bytes, 0)
+        stats.add_call(t_b, t_b_done, resp_b.server_total_s or resp_b.server_compute_s,
+                       req_b.payload_bytes, resp_b.payload_bytes)
+        stats.server_compute_s += (resp_a.server_compute_s + resp_b.server_compute_s
+                                   - (resp_a.server_total_s or resp_a.server_compute_s)
+                                   - (resp_b.server_total_s or resp_b.server_compute_s))
         stats.add_compute(t_b_done, t_end)
         # Drift: the robot's head + stripe against the profile; the server's tail as
         # layer partitioning records it.
