@@ -14,6 +14,7 @@
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -212,6 +213,17 @@ def test_plans_switch_with_bandwidth_and_are_cached(shared_server, profile_dir, 
                 for p in t1.plans]
         assert sent[0] <= sent[-1]
         assert len({p.key for p in t1.plans}) >= 2, [p.describe() for p in t1.plans]
+        # A re-plan (new load factors) is solved in the background: the frame gets the
+        # current table at once, the new one replaces it when ready.
+        old_table = ls.table
+        st.tracker.ratio["server"] = 7.0
+        backend._replan(st)
+        assert backend.lop_state(x).table is old_table
+        for _ in range(600):
+            if not ls.solving:
+                break
+            time.sleep(0.05)
+        assert ls.cfg == st.cfg and ls.table is not old_table and ls.table.plans
         # The table on disk is data: JSON that names cuts and numbers.
         text = LopTable.from_json(t1.to_json())
         assert [p.key for p in text.plans] == [p.key for p in t1.plans]

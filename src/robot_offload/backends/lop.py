@@ -23,6 +23,7 @@ the schedules are solved again when the load factors move.
 import logging
 import math
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -34,7 +35,8 @@ from robot_offload.backends.base import register_backend
 from robot_offload.backends.layer_partition import LayerPartitionBackend, _encode, _json
 from robot_offload.errors import OffloadTimeout
 from robot_offload.partition.graph import INPUT_CUT, Cut
-from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
+from robot_offload.partition.loss import (LopPlan, LopTable, Loss, held_from, load_or_solve,
+                                          table_key)
 from robot_offload.partition.planner import PlannerConfig, admits
 from robot_offload.partition.profile import DEFAULT_PROFILE_DIR, CutProfile, quant_range
 from robot_offload.partition.spatial import Region, SpatialGraph
@@ -50,6 +52,7 @@ class _LopState:
     cfg: PlannerConfig
     table: LopTable
     prepared: bool = False       # the server has its graph and record for this shape
+    solving: bool = False        # a re-plan is being solved in the background
 
 
 @register_backend
@@ -67,30 +70,42 @@ class LopBackend(LayerPartitionBackend):
 
     # -- schedules ------------------------------------------------------------------------
     def lop_state(self, x: torch.Tensor) -> _LopState:
-        """Operator analysis and plan table for ``x``'s shape; solved again when the
-        layer-partition state re-planned with new load factors."""
+        """Operator analysis and plan table for ``x``'s shape. The first table is solved
+        before the first frame can use it; after a re-plan (new load factors) the table is
+        solved again on a background thread and swapped in when ready, so that no frame
+        waits for planning (a second or more on a 0.5-CPU robot)."""
         st = self.state(x)
         shape = tuple(int(s) for s in x.shape)
         ls = self._lop.get(shape)
-        if ls is None or ls.cfg != st.cfg:
-            if ls is None:
-                metas, _ = self.graph.record(torch.zeros_like(x))
-                holder = _LopState(SpatialGraph(self.graph, metas), None, st.cfg, None)
-            else:
-                holder = ls
+        if ls is None:
+            metas, _ = self.graph.record(torch.zeros_like(x))
+            ls = _LopState(SpatialGraph(self.graph, metas), None, st.cfg, None)
+            self._solve(ls, st, st.cfg, table_key(st.profile, st.cfg, self.share_steps))
+            self._lop[shape] = ls
+        elif ls.cfg != st.cfg and not ls.solving:
+            ls.solving = True
+            # the key snapshots the profile's server times, which frames keep updating
+            key = table_key(st.profile, st.cfg, self.share_steps)
+            threading.Thread(target=self._solve, args=(ls, st, st.cfg, key), name="lop-replan",
+                             daemon=True).start()
+        return ls
 
-            def geometry() -> Loss:
-                if holder.loss is None or holder.loss.profile is not st.profile:
-                    holder.loss = Loss(self.graph, holder.spatial, st.profile, self.share_steps)
-                return holder.loss
-
+    def _solve(self, ls: _LopState, st, cfg: PlannerConfig, key: str) -> None:
+        try:
+            if ls.loss is None or ls.loss.profile is not st.profile:
+                ls.loss = Loss(self.graph, ls.spatial, st.profile, self.share_steps)
+            loss = ls.loss
             directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
-            table = load_or_solve(directory, geometry, st.profile, st.cfg, self.share_steps)
+            table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps, key=key)
             log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
                      self.ctx.spec.name, table.solve_s)
-            holder.cfg, holder.table = st.cfg, table
-            ls = self._lop[shape] = holder
-        return ls
+            ls.table, ls.cfg = table, cfg
+        except Exception:  # noqa: BLE001 - a background re-plan must not kill the node
+            if ls.table is None:
+                raise
+            log.exception("lop: re-planning failed; keeping the previous schedules")
+        finally:
+            ls.solving = False
 
     def _prepare(self, ls: _LopState, shape, timeout_s: float) -> None:
         """Have the server capture and record the graph at this shape before the first

@@ -358,22 +358,26 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig) -> List[LopPlan]:
     if not cands or not encs:
         return lp
     n_c, n_e = len(cands), len(encs)
-    ratio_a = np.full((n_c, n_e), np.nan)
-    ratio_b = np.full((n_c, n_e), np.nan)
-    eps_a = np.zeros((n_c, n_e))
-    eps_b = np.zeros((n_c, n_e))
-    err = np.full((n_c, n_e), np.inf)
-    ok_cache: Dict[Tuple[str, str], Dict[str, float]] = {}
-    for i, c in enumerate(cands):
-        key = (c.first.id, c.last.id)
-        ok = ok_cache.get(key)
-        if ok is None:
-            ok = ok_cache[key] = dict(encodings_for(loss.profile, c, cfg))
+    # Encoding figures depend on the region's two cuts only: computed per region, then
+    # repeated over its shares (candidates are region-major, share_steps - 1 per region).
+    per = loss.share_steps - 1
+    n_r = len(loss.regions)
+    r_ratio_a = np.full((n_r, n_e), np.nan)
+    r_ratio_b = np.full((n_r, n_e), np.nan)
+    r_eps_a = np.zeros((n_r, n_e))
+    r_eps_b = np.zeros((n_r, n_e))
+    r_err = np.full((n_r, n_e), np.inf)
+    for ri in range(n_r):
+        ok = dict(encodings_for(loss.profile, cands[ri * per], cfg))
+        first, last = cands[ri * per].first, cands[ri * per].last
         for j, e in enumerate(encs):
             if e in ok:
-                ratio_a[i, j], ratio_b[i, j] = _ratio(c.first, e), _ratio(c.last, e)
-                eps_a[i, j], eps_b[i, j] = _enc_s_per_byte(c.first, e), _enc_s_per_byte(c.last, e)
-                err[i, j] = ok[e]
+                r_ratio_a[ri, j], r_ratio_b[ri, j] = _ratio(first, e), _ratio(last, e)
+                r_eps_a[ri, j], r_eps_b[ri, j] = _enc_s_per_byte(first, e), _enc_s_per_byte(last, e)
+                r_err[ri, j] = ok[e]
+    ratio_a, ratio_b = np.repeat(r_ratio_a, per, axis=0), np.repeat(r_ratio_b, per, axis=0)
+    eps_a, eps_b = np.repeat(r_eps_a, per, axis=0), np.repeat(r_eps_b, per, axis=0)
+    err = np.repeat(r_err, per, axis=0)
     r, v = cfg.robot_load, cfg.server_load
     a_raw = np.array([c.cost.a_raw_bytes for c in cands])[:, None]
     b_raw = np.array([c.cost.b_raw_bytes for c in cands])[:, None]
@@ -538,9 +542,11 @@ def table_key(profile: Profile, cfg: PlannerConfig, share_steps: int) -> str:
 
 
 def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerConfig,
-                  share_steps: int = 16) -> LopTable:
-    """The plan table from the cache under ``directory/lop`` or solved (then saved)."""
-    key = table_key(profile, cfg, share_steps)
+                  share_steps: int = 16, key: Optional[str] = None) -> LopTable:
+    """The plan table from the cache under ``directory/lop`` or solved (then saved).
+    ``key``: :func:`table_key`, when the caller took it already (a snapshot of a profile
+    another thread keeps updating)."""
+    key = key or table_key(profile, cfg, share_steps)
     path = os.path.join(os.path.expanduser(directory), "lop", f"{profile.model}-{key}.json")
     try:
         with open(path, encoding="utf-8") as f:
