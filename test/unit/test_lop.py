@@ -25,7 +25,7 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import capture
-from robot_offload.partition.loss import (Candidate, LopTable, Loss, compare_solvers,
+from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
                                           load_or_solve, solve_buckets, solve_grid)
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import build_profile
@@ -357,3 +357,21 @@ def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
     finally:
         idp.stop_client()
     assert "forward" not in vars(model)
+
+
+def test_plan_switching_has_hysteresis():
+    """The plan in use is kept while the predicted bandwidth stays within one bucket of the
+    one it was chosen for; a bigger move, or a new table, switches."""
+    from robot_offload.backends.lop import LopBackend, _LopState
+    buckets = (1e6, 2e6, 4e6, 8e6, 16e6)
+    plans = [LopPlan(bandwidth_bps=b, latency_s=1.0, energy_j=1.0, share=i / 8)
+             for i, b in enumerate(buckets)]
+    table = LopTable(buckets, plans, 0.0)
+    ls = _LopState(None, None, None, table)
+    pick = lambda bw: LopBackend._sticky(None, ls, bw)   # noqa: E731 - no backend state used
+    assert pick(4.1e6) is plans[2]
+    assert pick(2.5e6) is plans[2] and pick(9e6) is plans[2]     # one bucket either way
+    assert pick(17e6) is plans[4]                                 # two buckets: switch
+    assert pick(1.2e6) is plans[0]
+    ls.table = LopTable(buckets, list(reversed(plans)), 0.0)      # re-planned: look up again
+    assert pick(1.2e6) is ls.table.plans[0]

@@ -53,6 +53,7 @@ class _LopState:
     table: LopTable
     prepared: bool = False       # the server has its graph and record for this shape
     solving: bool = False        # a re-plan is being solved in the background
+    current: Optional[Tuple] = None   # (table, bucket index, plan) in use (hysteresis)
 
 
 @register_backend
@@ -134,8 +135,23 @@ class LopBackend(LayerPartitionBackend):
         bw = stats.predicted_bandwidth_bps
         if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
             bw = self.ctx.config.bandwidth_bps_default
-        plan = self.lop_state(x).table.lookup(bw)
+        ls = self.lop_state(x)
+        plan = self._sticky(ls, bw)
         return self.run_schedule(x, plan, stats, timeout_s, bw)
+
+    def _sticky(self, ls: "_LopState", bw: float) -> LopPlan:
+        """The table's plan for ``bw``, with hysteresis: the plan in use is kept while the
+        predicted bandwidth stays within one bucket (x1.26) of the one it was chosen for.
+        Passive bandwidth estimates are noisy, and a spatial plan with new row counts
+        pays for new kernel set-ups the first time it runs (seconds on the robot)."""
+        table = ls.table
+        i = table.index(bw)
+        cur = ls.current
+        if cur is not None and cur[0] is table and abs(i - cur[1]) <= 1:
+            return cur[2]
+        plan = table.plans[i]
+        ls.current = (table, i, plan)
+        return plan
 
     def run_schedule(self, x: torch.Tensor, plan: LopPlan, stats, timeout_s: float,
                      bandwidth_bps: float = None):

@@ -30,6 +30,7 @@ anything runs (names against the graph, shapes and dtypes against the stripe, in
 in range), and nothing received is evaluated.
 """
 
+import concurrent.futures
 import json
 import re
 import threading
@@ -68,6 +69,12 @@ class _Frame:
 
 
 _FRAMES: Dict[Tuple[str, str], _Frame] = {}
+#: All lop computation runs on this one thread. rospy serves each service connection on a
+#: thread of its own and a frame's two requests arrive on two connections; every thread
+#: that calls into torch gets its own OpenMP team, whose idle workers spin for a while
+#: after each call, so the part's team took the CPU from the finish's tail (2x slower tails
+#: on a 2-core machine). One compute thread means one team, as for the other entries.
+_COMPUTE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lop-compute")
 _FRAMES_LOCK = threading.Lock()
 #: How long a ``finish`` waits for its ``part`` (s).
 wait_s = 10.0
@@ -218,8 +225,13 @@ def _part(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
         held = {n: (decoded[index[n]], expected[n][0]) for n in expected}
         frame.last, frame.shape = tuple(region.outputs), args["input_shape"]
         t0 = time.perf_counter()
-        out = sg.run(region, need, held)
-        server.synchronize()
+
+        def stripe():
+            result = sg.run(region, need, held)
+            server.synchronize()
+            return result
+
+        out = _COMPUTE.submit(stripe).result()
         for name in region.outputs:
             if name in out and out[name][0].shape[sg.axis(name)] + out[name][1] != sg.rows(name):
                 raise _bad(f"the server's stripe of {name!r} does not reach the last row")
@@ -282,10 +294,14 @@ def _finish(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
         tensors.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=sg.axis(name)))
     statics = graph.static_values(c2, rec)
     t0 = time.perf_counter()
-    try:
+    def tail():
         with torch.inference_mode():
-            y = graph.tail_module(c2)(*tensors, *statics)
+            result = graph.tail_module(c2)(*tensors, *statics)
         server.synchronize()
+        return result
+
+    try:
+        y = _COMPUTE.submit(tail).result()
     except torch.cuda.OutOfMemoryError:
         raise
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:

@@ -499,12 +499,16 @@ class LopTable:
         plans = solve_buckets(loss, cfg)
         return cls(cfg.buckets, plans, time.perf_counter() - t0 + loss.geometry_s)
 
+    def index(self, bandwidth_bps: float) -> int:
+        """The highest bucket not above ``bandwidth_bps`` (the lowest below the range)."""
+        if not bandwidth_bps > 0 or math.isnan(bandwidth_bps):
+            return 0
+        i = bisect.bisect_right(self.buckets, bandwidth_bps * (1 + 1e-9)) - 1
+        return max(0, min(i, len(self.plans) - 1))
+
     def lookup(self, bandwidth_bps: float) -> LopPlan:
         """The plan of the highest bucket not above ``bandwidth_bps``."""
-        if not bandwidth_bps > 0 or math.isnan(bandwidth_bps):
-            return self.plans[0]
-        i = bisect.bisect_right(self.buckets, bandwidth_bps * (1 + 1e-9)) - 1
-        return self.plans[max(0, min(i, len(self.plans) - 1))]
+        return self.plans[self.index(bandwidth_bps)]
 
     def rows(self) -> List[Dict]:
         return [{"bandwidth_mbps": b / 1e6, "plan": p.describe(), "latency_ms": 1e3 * p.latency_s,
