@@ -80,8 +80,8 @@ def model_graph(loaded: LoadedModel) -> ModelGraph:
         return st.graph
 
 
-def parse_args(args_json: str, max_elements: int) -> Tuple[List[str], Tuple[int, ...]]:
-    """Validate ``args_json``; returns (crossing names, input shape)."""
+def json_object(args_json: str) -> dict:
+    """``args_json`` as a JSON object, or BAD_REQUEST (shared by the partition entries)."""
     if not isinstance(args_json, str) or len(args_json) > 1 << 20:
         raise _bad("args_json must be a JSON string under 1 MiB")
     try:
@@ -90,36 +90,52 @@ def parse_args(args_json: str, max_elements: int) -> Tuple[List[str], Tuple[int,
         raise _bad(f"args_json is not JSON: {e}") from None
     if not isinstance(args, dict):
         raise _bad("args_json must be a JSON object")
+    return args
+
+
+def node_names(value, key: str) -> List[str]:
+    """A list of node names (or a cut id: names joined by commas), checked for size."""
+    if isinstance(value, str):
+        value = value.split(",") if value else []
+    if not isinstance(value, list) or not value or len(value) > MAX_CUT_NAMES:
+        raise _bad(f"'{key}' must be a cut id or a list of 1..{MAX_CUT_NAMES} node names")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS for n in value):
+        raise _bad(f"'{key}' names must be non-empty strings of at most {MAX_NAME_CHARS} characters")
+    return value
+
+
+def input_shape(value, max_elements: int) -> Tuple[int, ...]:
+    """A model input shape: 1..MAX_DIMS positive ints, at most ``max_elements`` in all."""
+    if not (isinstance(value, list) and 1 <= len(value) <= MAX_DIMS
+            and all(type(s) is int and 0 < s <= 1 << 30 for s in value)):
+        raise _bad(f"'input_shape' must be a list of 1..{MAX_DIMS} positive ints")
+    numel = 1
+    for s in value:
+        numel *= s
+    if numel > max_elements:
+        raise RequestRejected(StatusCode.TOO_LARGE, f"input_shape {value} has {numel} elements; "
+                              f"max_input_elements is {max_elements}")
+    return tuple(value)
+
+
+def parse_args(args_json: str, max_elements: int) -> Tuple[List[str], Tuple[int, ...]]:
+    """Validate ``args_json``; returns (crossing names, input shape)."""
+    args = json_object(args_json)
     unknown = set(args) - ARG_KEYS
     if unknown:
         raise _bad(f"unknown argument(s) {sorted(unknown)[:4]}; known: {sorted(ARG_KEYS)}")
     if "cut" not in args or "input_shape" not in args:
         raise _bad("partition_tail needs 'cut' and 'input_shape'")
-    cut = args["cut"]
-    if isinstance(cut, str):
-        cut = cut.split(",") if cut else []
-    if not isinstance(cut, list) or not cut or len(cut) > MAX_CUT_NAMES:
-        raise _bad(f"'cut' must be a cut id or a list of 1..{MAX_CUT_NAMES} node names")
-    if not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS for n in cut):
-        raise _bad("'cut' names must be non-empty strings")
-    shape = args["input_shape"]
-    if not (isinstance(shape, list) and 1 <= len(shape) <= MAX_DIMS
-            and all(type(s) is int and 0 < s <= 1 << 30 for s in shape)):
-        raise _bad(f"'input_shape' must be a list of 1..{MAX_DIMS} positive ints")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel > max_elements:
-        raise RequestRejected(StatusCode.TOO_LARGE, f"input_shape {shape} has {numel} elements; "
-                              f"max_input_elements is {max_elements}")
-    return cut, tuple(shape)
+    return node_names(args["cut"], "cut"), input_shape(args["input_shape"], max_elements)
 
 
-def _cut(st: _ModelState, graph: ModelGraph, names: List[str]) -> Cut:
+def _cut(st: _ModelState, graph: ModelGraph, names: List[str], allow_output: bool = False) -> Cut:
+    """The cut named by ``names`` (parsed cuts cached per model), or BAD_REQUEST; the
+    output cut only with ``allow_output`` (lop's regions may end there)."""
     key = tuple(names)
     with st.lock:
         cut = st.cuts.get(key)
-        if cut is not None:
+        if cut is not None and (allow_output or cut.kind != OUTPUT_CUT):
             st.cuts.move_to_end(key)
             return cut
     if names == [INPUT_CUT]:
@@ -128,12 +144,12 @@ def _cut(st: _ModelState, graph: ModelGraph, names: List[str]) -> Cut:
         cut = graph.cut(names)
     except CutError as e:
         raise _bad(f"unknown or invalid cut: {e}") from None
-    if cut.kind == OUTPUT_CUT:
-        raise _bad("the output cut leaves nothing for the server to compute")
     with st.lock:
         st.cuts[key] = cut
         while len(st.cuts) > MAX_CUTS:
             st.cuts.popitem(last=False)
+    if cut.kind == OUTPUT_CUT and not allow_output:
+        raise _bad("the output cut leaves nothing for the server to compute")
     return cut
 
 
@@ -181,6 +197,29 @@ def check_tensors(req: ComputeRequest, cut: Cut, rec: Dict) -> List[int]:
     return [index[n] for n in cut.crossing]
 
 
+def run_tail(server: OffloadServer, loaded: LoadedModel, graph: ModelGraph, cut: Cut,
+             tensors: List[torch.Tensor], rec: Dict, runner=None):
+    """Run the tail of ``cut`` on the crossing ``tensors`` (shape values from ``rec``);
+    returns (outputs, compute seconds). ``runner(fn)`` runs ``fn`` elsewhere (lop's compute
+    thread); a failure of the model on these tensors is a BAD_REQUEST."""
+    statics = graph.static_values(cut, rec)
+
+    def tail():
+        with torch.inference_mode():
+            y = graph.tail_module(cut)(*tensors, *statics)
+        server.synchronize()
+        return y
+
+    t0 = time.perf_counter()
+    try:
+        y = runner(tail) if runner is not None else tail()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+        raise _bad(f"{loaded.name} tail of cut {cut.label} failed: {str(e).splitlines()[0][:300]}") from e
+    return y, time.perf_counter() - t0
+
+
 @executor(ENTRY)
 def partition_tail(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
     """Run the server part of a layer partition (see the module docstring)."""
@@ -194,18 +233,7 @@ def partition_tail(server: OffloadServer, loaded: LoadedModel, req: ComputeReque
     order = check_tensors(req, cut, rec)
     decoded = server.decode_inputs(req)
     tensors = [decoded[i] for i in order]
-    statics = graph.static_values(cut, rec)
-    tail = graph.tail_module(cut)
-    t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            y = tail(*tensors, *statics)
-        server.synchronize()
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
-        raise _bad(f"{loaded.name} tail of cut {cut.label} failed: {str(e).splitlines()[0][:300]}") from e
-    compute_s = time.perf_counter() - t0
+    y, compute_s = run_tail(server, loaded, graph, cut, tensors, rec)
     out, spec = server.encode_outputs(y, req)
     return ComputeResponse(status=StatusCode.OK, tensors=out, structure_json=spec,
                            result_json=json.dumps({"cut": cut.label, "tail_nodes": len(cut.tail)}),

@@ -40,7 +40,8 @@ from typing import Dict, List, Tuple
 import torch
 
 from robot_offload import codec
-from robot_offload.partition.executor import _bad, _record, _state, model_graph
+from robot_offload.partition.executor import (_bad, _cut, _record, _state, input_shape, json_object,
+                                              model_graph, node_names, run_tail)
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError
 from robot_offload.partition.spatial import Region, SpatialGraph
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
@@ -53,8 +54,6 @@ FINISH_KEYS = frozenset({"phase", "frame", "last", "input_shape"})
 FRAME_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_FRAMES = 32
 FRAME_TTL_S = 30.0
-MAX_NAMES = 1024
-MAX_DIMS = 8
 MAX_SPATIAL = 4         # spatial graphs kept per model (one per input shape)
 
 
@@ -85,25 +84,8 @@ def _expire(now: float) -> None:
         del _FRAMES[key]
 
 
-def _names(args: dict, key: str) -> List[str]:
-    v = args.get(key)
-    if isinstance(v, str):
-        v = v.split(",") if v else []
-    if not isinstance(v, list) or not v or len(v) > MAX_NAMES or \
-            not all(isinstance(n, str) and 0 < len(n) <= 256 for n in v):
-        raise _bad(f"'{key}' must be a list of 1..{MAX_NAMES} node names")
-    return v
-
-
 def parse_args(args_json: str, max_elements: int) -> dict:
-    if not isinstance(args_json, str) or len(args_json) > 1 << 20:
-        raise _bad("args_json must be a JSON string under 1 MiB")
-    try:
-        args = json.loads(args_json)
-    except ValueError as e:
-        raise _bad(f"args_json is not JSON: {e}") from None
-    if not isinstance(args, dict):
-        raise _bad("args_json must be a JSON object")
+    args = json_object(args_json)
     phase = args.get("phase")
     keys = {"prepare": PREPARE_KEYS, "part": PART_KEYS, "finish": FINISH_KEYS}.get(phase)
     if keys is None:
@@ -112,22 +94,12 @@ def parse_args(args_json: str, max_elements: int) -> dict:
         raise _bad(f"lop_part {phase} takes exactly {sorted(keys)}")
     if phase != "prepare" and (not isinstance(args["frame"], str) or not FRAME_RE.match(args["frame"])):
         raise _bad("'frame' must be 8..64 lowercase hex digits")
-    shape = args["input_shape"]
-    if not (isinstance(shape, list) and 1 <= len(shape) <= MAX_DIMS
-            and all(type(s) is int and 0 < s <= 1 << 30 for s in shape)):
-        raise _bad(f"'input_shape' must be a list of 1..{MAX_DIMS} positive ints")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel > max_elements:
-        raise RequestRejected(StatusCode.TOO_LARGE, f"input_shape {shape} has {numel} elements; "
-                              f"max_input_elements is {max_elements}")
-    args["input_shape"] = tuple(shape)
+    args["input_shape"] = input_shape(args["input_shape"], max_elements)
     if phase == "prepare":
         return args
-    args["last"] = _names(args, "last")
+    args["last"] = node_names(args["last"], "last")
     if phase == "part":
-        args["first"] = _names(args, "first")
+        args["first"] = node_names(args["first"], "first")
         split = args["split"]
         if not isinstance(split, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
                                                   for k, v in split.items()):
@@ -185,10 +157,7 @@ def _cut_any(st, graph, names: List[str]) -> Cut:
     only the output's structure)."""
     if tuple(names) == graph.inputs:
         return graph.input_cut()
-    try:
-        c = graph.cut(names)
-    except CutError as e:
-        raise _bad(f"unknown or invalid cut: {e}") from None
+    c = _cut(st, graph, names, allow_output=True)
     if c.kind == INPUT_CUT:
         raise _bad("the last cut of a region cannot be the input")
     return c
@@ -292,21 +261,8 @@ def _finish(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
         if name in frame.held:
             parts.append(frame.held[name][0])
         tensors.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=sg.axis(name)))
-    statics = graph.static_values(c2, rec)
-    t0 = time.perf_counter()
-    def tail():
-        with torch.inference_mode():
-            result = graph.tail_module(c2)(*tensors, *statics)
-        server.synchronize()
-        return result
-
-    try:
-        y = _COMPUTE.submit(tail).result()
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
-        raise _bad(f"{loaded.name} tail of cut {c2.label} failed: {str(e).splitlines()[0][:300]}") from e
-    compute_s = time.perf_counter() - t0
+    y, compute_s = run_tail(server, loaded, graph, c2, tensors, rec,
+                            runner=lambda fn: _COMPUTE.submit(fn).result())
     out, spec = server.encode_outputs(y, req)
     return ComputeResponse(status=StatusCode.OK, tensors=out, structure_json=spec,
                            result_json=json.dumps({"cut": c2.label,

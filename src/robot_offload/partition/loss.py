@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from robot_offload.errors import ConfigError
-from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
 from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, options,
                                              output_bytes, server_time)
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
