@@ -224,7 +224,7 @@ class LayerPartitionBackend(Backend):
             names = list(cut.crossing)
             entry = "partition_tail"
             args = _json({"cut": names, "input_shape": [int(s) for s in x.shape]})
-        codec_name = self._frame_codec(plan, cut_prof, tensors, st.cfg)
+        codec_name = frame_codec(plan, cut_prof, tensors, st.cfg)
         encoded = [_encode(t, n, codec_name, plan.compression) for n, t in zip(names, tensors)]
         request = ComputeRequest(client_id=link.client_id, model=link.model, entry=entry,
                                  tensors=encoded, args_json=args, output_codec=cfg.output_codec,
@@ -249,19 +249,6 @@ class LayerPartitionBackend(Backend):
             self._replan(st)
         return y, t1, server_s, codec_name
 
-    @staticmethod
-    def _frame_codec(plan: Plan, cut_prof, tensors, cfg: PlannerConfig) -> str:
-        """The plan's codec, or ``raw`` for this frame when the plan's integer codec was
-        admitted on its profiled error but this frame's crossing tensors range wider than in
-        calibration by a ratio that takes the scaled error past the budget. (Plans forced
-        past the budget, :func:`~robot_offload.partition.planner.plan_for`, are left alone.)"""
-        if plan.codec not in codec.INT_BITS or not admits(cfg, plan.error):
-            return plan.codec
-        ratio = cut_prof.range_ratio(tensors)
-        if ratio > 1.0 and not admits(cfg, plan.error * ratio):
-            return "raw"
-        return plan.codec
-
     def close(self) -> None:
         """Keep what was measured on the server: save the profiles."""
         for st in self._states.values():
@@ -269,6 +256,22 @@ class LayerPartitionBackend(Backend):
                 st.profile.save(self.ctx.config.profile_dir)
             except OSError as e:
                 log.warning("could not save the profile: %s", e)
+
+
+def frame_codec(plan, cut_prof, tensors, cfg: PlannerConfig) -> str:
+    """The codec of ``plan`` (a layer-partition or lop plan: ``codec`` and profiled
+    ``error``) for this frame's ``tensors`` at ``cut_prof`` (as
+    :meth:`~robot_offload.partition.profile.CutProfile.range_ratio` takes them), or ``raw``
+    when the plan's integer codec was admitted on its profiled error but these tensors
+    range wider than in calibration by a ratio that takes the scaled error past the
+    budget. (Plans forced past the budget, :func:`~robot_offload.partition.planner.plan_for`,
+    are left alone.)"""
+    if plan.codec not in codec.INT_BITS or not admits(cfg, plan.error):
+        return plan.codec
+    ratio = cut_prof.range_ratio(tensors)
+    if ratio > 1.0 and not admits(cfg, plan.error * ratio):
+        return "raw"
+    return plan.codec
 
 
 def _json(obj) -> str:

@@ -32,13 +32,14 @@ import torch
 
 from robot_offload import codec, structure
 from robot_offload.backends.base import register_backend
-from robot_offload.backends.layer_partition import LayerPartitionBackend, _encode, _json
+from robot_offload.backends.layer_partition import (LayerPartitionBackend, _encode, _json,
+                                                    frame_codec)
 from robot_offload.errors import OffloadTimeout
 from robot_offload.partition.graph import INPUT_CUT, Cut
 from robot_offload.partition.loss import (LopPlan, LopTable, Loss, held_from, load_or_solve,
-                                          table_key)
-from robot_offload.partition.planner import PlannerConfig, admits
-from robot_offload.partition.profile import DEFAULT_PROFILE_DIR, CutProfile, quant_range
+                                          stripe_seconds, table_key)
+from robot_offload.partition.planner import PlannerConfig
+from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
 from robot_offload.partition.spatial import Region, SpatialGraph
 from robot_offload.protocol import ComputeRequest, raise_for_status
 
@@ -169,14 +170,13 @@ class LopBackend(LayerPartitionBackend):
         if not ls.prepared:
             self._prepare(ls, x.shape, timeout_s)
         try:
-            return self._run_spatial(x, plan, stats, timeout_s - (time.perf_counter() - t0), bw)
+            return self._run_spatial(x, ls, plan, stats, timeout_s - (time.perf_counter() - t0), bw)
         except Exception:
             ls.prepared = False     # the server may have restarted: prepare again
             raise
 
-    def _run_spatial(self, x, plan: LopPlan, stats, timeout_s: float, bw: float):
+    def _run_spatial(self, x, ls: _LopState, plan: LopPlan, stats, timeout_s: float, bw: float):
         st = self.state(x)
-        ls = self.lop_state(x)
         sg = ls.spatial
         region, c1, c2 = self.region_of(sg, plan)
         link, cfg = self.ctx.link, self.ctx.config
@@ -198,7 +198,7 @@ class LopBackend(LayerPartitionBackend):
             if name in need_s:
                 a, b = need_s[name]
                 a_parts[name] = first[name].narrow(sg.axis(name), a, b - a).contiguous()
-        codec_a = _frame_codec(plan, st.profile.cut(c1.id), a_parts, st.cfg)
+        codec_a = frame_codec(plan, st.profile.cut(c1.id), a_parts, st.cfg) if a_parts else plan.codec
         a_tensors = [_encode(t, n, codec_a, plan.compression) for n, t in a_parts.items()]
         frame = secrets.token_hex(8)
         req_a = ComputeRequest(
@@ -221,7 +221,7 @@ class LopBackend(LayerPartitionBackend):
             if upto > 0:
                 src = first[name] if name in first else mine[name][0]
                 b_parts[name] = src.narrow(sg.axis(name), 0, upto).contiguous()
-        codec_b = _frame_codec(plan, st.profile.cut(c2.id), b_parts, st.cfg)
+        codec_b = frame_codec(plan, st.profile.cut(c2.id), b_parts, st.cfg) if b_parts else plan.codec
         b_tensors = [_encode(t, n, codec_b, plan.compression) for n, t in b_parts.items()]
         req_b = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
@@ -253,13 +253,11 @@ class LopBackend(LayerPartitionBackend):
         stats.add_compute(t_b_done, t_end)
         # Drift: the robot's head + stripe against the profile; the server's tail as
         # layer partitioning records it.
-        cost_robot = sum(st.profile.node_s.get(n, 0.0) * f
-                         for n, f in sg.computed_fraction(region, need_r).items())
+        cost_robot = stripe_seconds(sg, region, need_r, st.profile.node_s)
         if c1.kind != INPUT_CUT:
             cost_robot += st.profile.cut(c1.id).head_s
         drift = st.tracker.observe("robot", cost_robot, t_b - t0)
-        cost_server = sum(st.profile.node_s.get(n, 0.0) * f
-                          for n, f in sg.computed_fraction(region, need_s).items())
+        cost_server = stripe_seconds(sg, region, need_s, st.profile.node_s)
         drift |= st.tracker.observe("server", cost_server / st.cfg.server_speedup,
                                     resp_a.server_compute_s)
         st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
@@ -276,22 +274,3 @@ class LopBackend(LayerPartitionBackend):
             "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
-
-def _frame_codec(plan: LopPlan, cut: CutProfile, parts: Dict[str, torch.Tensor],
-                 cfg: PlannerConfig) -> str:
-    """The plan's codec for one transfer, or ``raw`` when the plan's integer codec was
-    admitted on its profiled error but the rows sent this frame range wider than the cut's
-    tensors did in calibration, by a ratio that takes the scaled error past the budget
-    (layer partitioning's guard, applied to the rows each side sends)."""
-    if plan.codec not in codec.INT_BITS or not admits(cfg, plan.error) or not parts:
-        return plan.codec
-    calibrated = dict(zip(cut.crossing, cut.ranges)) if len(cut.ranges) == len(cut.crossing) else {}
-    ratio = 1.0
-    for name, t in parts.items():
-        ref = calibrated.get(name)
-        if ref is None:
-            return "raw"
-        r = quant_range(t)
-        if r > ref:
-            ratio = max(ratio, r / ref if ref > 0 else math.inf)
-    return "raw" if ratio > 1.0 and not admits(cfg, plan.error * ratio) else plan.codec

@@ -217,13 +217,20 @@ def _boundary_cuts(graph: ModelGraph, spatial: SpatialGraph, profile: Profile) -
     return list(out.values())
 
 
+def stripe_seconds(spatial: SpatialGraph, region: Region, need: Dict[str, Tuple[int, int]],
+                   node_s: Dict[str, float]) -> float:
+    """Profiled time of a stripe: each region node's robot time times the share of its rows
+    the stripe computes (halo included), summed."""
+    return sum(node_s.get(n, 0.0) * f for n, f in spatial.computed_fraction(region, need).items())
+
+
 def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
                 node_s: Dict[str, float]) -> StripeCost:
     robot_rows, server_rows = spatial.split_rows(region, share)
     need_r = spatial.needs(region, robot_rows)
     need_s = spatial.needs(region, server_rows)
-    robot_s = sum(node_s.get(n, 0.0) * f for n, f in spatial.computed_fraction(region, need_r).items())
-    server_s = sum(node_s.get(n, 0.0) * f for n, f in spatial.computed_fraction(region, need_s).items())
+    robot_s = stripe_seconds(spatial, region, need_r, node_s)
+    server_s = stripe_seconds(spatial, region, need_s, node_s)
     metas = spatial.metas
     a = sum(metas[n].nbytes * (need_s[n][1] - need_s[n][0]) / spatial.rows(n)
             for n in region.inputs if n in need_s)

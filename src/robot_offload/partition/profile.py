@@ -47,7 +47,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -165,15 +165,26 @@ class CutProfile:
             return 0.0
         return self.error.get(codec_name, math.inf)
 
-    def range_ratio(self, tensors: Sequence[torch.Tensor]) -> float:
-        """How much wider than in calibration the widest of these crossing tensors (this
-        frame's, in ``crossing`` order) ranges: >= 1, 1 when none is wider. An integer
-        codec's step, and with it (to first order) its output error, scales by this. inf
-        when the calibration ranges are unknown or a range was 0 and is not now."""
-        if len(self.ranges) != len(tensors):
+    def range_ratio(self, tensors) -> float:
+        """How much wider than in calibration the widest of these crossing tensors ranges:
+        >= 1, 1 when none is wider. ``tensors`` is this frame's crossing tensors in
+        ``crossing`` order, or a mapping from crossing names to tensors (or row slabs of
+        them; any subset: what one transfer of lop sends). An integer codec's step, and
+        with it (to first order) its output error, scales by this. inf when the calibration
+        ranges are unknown or a range was 0 and is not now."""
+        if len(self.ranges) != len(self.crossing):
             return math.inf
+        if isinstance(tensors, Mapping):
+            calibrated = dict(zip(self.crossing, self.ranges))
+            if not set(tensors) <= set(calibrated):
+                return math.inf
+            pairs = [(t, calibrated[n]) for n, t in tensors.items()]
+        elif len(tensors) != len(self.ranges):
+            return math.inf
+        else:
+            pairs = list(zip(tensors, self.ranges))
         ratio = 1.0
-        for t, calibrated in zip(tensors, self.ranges):
+        for t, calibrated in pairs:
             r = quant_range(t)
             if r > calibrated:
                 ratio = max(ratio, r / calibrated if calibrated > 0 else math.inf)
