@@ -12,8 +12,10 @@
 """
 
 import dataclasses
+import glob
 import json
 import math
+import os
 import time
 
 import pytest
@@ -26,7 +28,7 @@ from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import capture
 from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
-                                          load_or_solve, solve_buckets, solve_grid)
+                                          load_or_solve, solve_buckets, solve_grid, table_key)
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import build_profile
 from robot_offload.partition.spatial import SpatialGraph
@@ -224,6 +226,9 @@ def test_plans_switch_with_bandwidth_and_are_cached(shared_server, profile_dir, 
                 break
             time.sleep(0.05)
         assert ls.cfg == st.cfg and ls.table is not old_table and ls.table.plans
+        # ... and not written to the cache (its key holds per-frame server times).
+        cached = glob.glob(os.path.join(profile_dir, "lop", "*.json"))
+        assert not any(table_key(st.profile, st.cfg, backend.share_steps) in f for f in cached)
         # The table on disk is data: JSON that names cuts and numbers.
         text = LopTable.from_json(t1.to_json())
         assert [p.key for p in text.plans] == [p.key for p in t1.plans]

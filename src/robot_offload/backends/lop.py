@@ -88,17 +88,21 @@ class LopBackend(LayerPartitionBackend):
             ls.solving = True
             # the key snapshots the profile's server times, which frames keep updating
             key = table_key(st.profile, st.cfg, self.share_steps)
-            threading.Thread(target=self._solve, args=(ls, st, st.cfg, key), name="lop-replan",
-                             daemon=True).start()
+            threading.Thread(target=self._solve, args=(ls, st, st.cfg, key, False),
+                             name="lop-replan", daemon=True).start()
         return ls
 
-    def _solve(self, ls: _LopState, st, cfg: PlannerConfig, key: str) -> None:
+    def _solve(self, ls: _LopState, st, cfg: PlannerConfig, key: str, save: bool = True) -> None:
+        """Solve (or load) the table for ``cfg``. Re-plans are not saved: their key holds
+        the server times measured so far, which change with every frame, so each would be
+        a new file that no later start looks up."""
         try:
             if ls.loss is None or ls.loss.profile is not st.profile:
                 ls.loss = Loss(self.graph, ls.spatial, st.profile, self.share_steps)
             loss = ls.loss
             directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
-            table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps, key=key)
+            table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps, key=key,
+                                  save=save)
             log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
                      self.ctx.spec.name, table.solve_s)
             ls.table, ls.cfg = table, cfg

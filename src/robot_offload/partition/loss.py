@@ -553,10 +553,10 @@ def table_key(profile: Profile, cfg: PlannerConfig, share_steps: int) -> str:
 
 
 def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerConfig,
-                  share_steps: int = 16, key: Optional[str] = None) -> LopTable:
-    """The plan table from the cache under ``directory/lop`` or solved (then saved).
-    ``key``: :func:`table_key`, when the caller took it already (a snapshot of a profile
-    another thread keeps updating)."""
+                  share_steps: int = 16, key: Optional[str] = None, save: bool = True) -> LopTable:
+    """The plan table from the cache under ``directory/lop`` or solved (then saved unless
+    not ``save``). ``key``: :func:`table_key`, when the caller took it already (a snapshot
+    of a profile another thread keeps updating)."""
     key = key or table_key(profile, cfg, share_steps)
     path = os.path.join(os.path.expanduser(directory), "lop", f"{profile.model}-{key}.json")
     try:
@@ -565,6 +565,8 @@ def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerCo
     except (OSError, ValueError, KeyError, TypeError):
         pass
     table = LopTable.build(loss_factory(), cfg)
+    if not save:
+        return table
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
