@@ -171,6 +171,31 @@ def test_delay_only_with_netem(tb):
         tb.set_delay(0.0)
 
 
+def test_tun_link_adds_delay_without_netem_and_still_shapes():
+    """link="tun": TUN devices and the user-space delay relay (delay_link) instead of the
+    veth pair. RTT is measured over TCP with one-byte messages (bulk.measure_rtt)."""
+    with Testbed(link="tun", delay_s=0.002, fallback=False) as bed:
+        assert bed.delay_supported and bed.delay_s == 0.002
+        host_names = list(bed._tun_host_names.values())
+        relay = bed._relay
+        bed.set_rate(50e6)
+        rtt = bulk.measure_rtt(bed, env=ENV)
+        # 2 x 2 ms, plus the relay's wake-up (about 0.1-0.4 ms on a loaded VM)
+        assert 0.004 <= rtt["median_s"] < 0.007, rtt
+        bed.set_delay(0.0)
+        assert bulk.measure_rtt(bed, env=ENV)["median_s"] < 0.002
+        bed.set_delay(0.001)
+        got = bulk.measure(bed, "up", duration_s=1.5, warmup_s=0.3, env=ENV)["bps"]
+        assert got == pytest.approx(50e6, rel=0.10), f"{got / 1e6:.2f} Mbit/s"
+        q = json.loads(subprocess.run(["tc", "-j", "-n", bed.robot_ns, "qdisc", "show", "dev",
+                                       bed.robot_if], capture_output=True, text=True,
+                                      check=True).stdout)
+        assert [x["kind"] for x in q] == ["htb", "bfifo"]  # the relay delays, not a qdisc
+    assert relay.poll() is not None
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not any(f" {n}:" in links for n in host_names + ["tun-robot", "tun-server"])
+
+
 BUSY = """
 import sys, time
 print("ready", flush=True)

@@ -1,12 +1,15 @@
 """Testbed pieces that need no root: qdisc parameters, names, the loopback fallback."""
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from robot_offload.testbed import TestbedError, TraceReplayer, netns, traces
+from robot_offload.testbed import TestbedError, TraceReplayer, delay_link, netns, traces
 from robot_offload.testbed._common import owner_pid, pid_alive, unique_base
 
 
@@ -96,3 +99,75 @@ def test_loopback_testbed_is_unshaped_and_says_so():
         tb.set_rate(1e6)
     with pytest.raises(ValueError):
         netns.Testbed(qdisc="cake")
+
+
+# -- the delay relay (link="tun"), without TUN devices -----------------------------------
+def test_delay_line_releases_in_order_after_the_delay():
+    line = delay_link.DelayLine(0.010, max_packets=3)
+    assert line.next_due() is None and line.pop_due(100.0) == []
+    assert line.push(1.000, b"a") and line.push(1.002, b"b")
+    assert line.next_due() == pytest.approx(1.010)
+    assert line.pop_due(1.009) == []
+    assert line.pop_due(1.010) == [b"a"]
+    # a shorter delay never lets a packet overtake one pushed before it
+    line.delay_s = 0.001
+    assert line.push(1.003, b"c")
+    assert line.pop_due(1.005) == []  # c would be due at 1.004, but b is due at 1.012
+    assert line.pop_due(1.012) == [b"b", b"c"]
+    # a full line drops and counts
+    for p in (b"1", b"2", b"3"):
+        assert line.push(2.0, p)
+    assert not line.push(2.0, b"4") and line.dropped == 1 and len(line) == 3
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf"), 11.0, "x"])
+def test_delay_is_checked(bad):
+    with pytest.raises(ValueError):
+        delay_link.check_delay(bad)
+
+
+def test_relay_forwards_both_ways_with_the_delay_and_takes_new_delays():
+    """relay() on datagram socket pairs standing in for the two TUN devices."""
+    a_dev, a_host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    b_dev, b_host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    control_r, control_w = os.pipe()
+    for s in (a_dev, b_dev):
+        s.setblocking(False)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(delay_link.relay(
+        a_dev.fileno(), b_dev.fileno(), 0.02, control=control_r)))
+    thread.start()
+    try:
+        b_host.settimeout(2.0)
+        a_host.settimeout(2.0)
+        t0 = time.monotonic()
+        for i in range(5):
+            a_host.send(b"up%d" % i)
+        got = [b_host.recv(100) for _ in range(5)]
+        up_s = time.monotonic() - t0
+        assert got == [b"up%d" % i for i in range(5)]
+        assert 0.02 <= up_s < 1.0
+        os.write(control_w, b"delay 0.1\nnonsense\n")
+        time.sleep(0.05)  # the relay reads the control line before the next packet
+        t0 = time.monotonic()
+        b_host.send(b"down")
+        assert a_host.recv(100) == b"down"
+        assert time.monotonic() - t0 >= 0.1
+    finally:
+        os.close(control_w)
+        thread.join(5.0)
+        os.close(control_r)
+        for s in (a_dev, a_host, b_dev, b_host):
+            s.close()
+    assert not thread.is_alive()
+    assert result == {"a_to_b": 5, "b_to_a": 1, "dropped": 0, "write_errors": 0}
+
+
+def test_tun_link_names_and_wire_factor():
+    tb = netns.Testbed(link="tun", loopback=True)
+    assert (tb.robot_if, tb.server_if) == ("tun-robot", "tun-server")
+    assert all(len(n) <= 15 for n in tb._tun_host_names.values())
+    # TUN qdiscs see bare IP packets: no Ethernet header in the wire factor
+    assert tb.wire_rate_bps(10e6) == pytest.approx(10e6 * 1500 / 1448)
+    with pytest.raises(ValueError, match="link"):
+        netns.Testbed(link="wifi")

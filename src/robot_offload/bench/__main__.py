@@ -36,6 +36,9 @@ def main(argv=None):
     ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W",
                     help="override a model's input size, e.g. kapao_l=640,640")
     ap.add_argument("--loopback", action="store_true", help="skip namespaces: unshaped loopback")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay added to each direction (ms; RTT grows by twice this); "
+                         "uses TUN devices and a user-space relay, as this kernel has no netem")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     profile = dict(QUICK if args.quick else FULL)
@@ -63,6 +66,7 @@ def main(argv=None):
 
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
+                      delay_ms=args.delay_ms,
                       progress=progress, **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()

@@ -57,6 +57,8 @@ class BenchConfig:
     timeout_s: float = 5.0           # the client's per-frame deadline (s)
     trace_duration_s: float = 60.0
     loopback: bool = False           # force the unshaped loopback testbed
+    delay_ms: float = 0.0            # one-way delay added to each direction (ms); > 0 joins
+                                     # the namespaces with TUN devices and a delay relay
     progress: Optional[object] = None  # a callable(str) told after every segment
 
 
@@ -124,12 +126,18 @@ class BenchRunner:
     def run(self) -> List[dict]:
         cfg = self.cfg
         rows: List[dict] = []
-        with Testbed(loopback=cfg.loopback) as tb:
+        with Testbed(loopback=cfg.loopback, link="tun" if cfg.delay_ms else "veth",
+                     delay_s=cfg.delay_ms / 1e3) as tb:
             if not tb.shaped:
                 self.notes.append(f"UNSHAPED loopback run: {tb.reason}")
             else:
                 self.notes.append(f"link shaped with {tb.qdisc_kind} between network namespaces "
                                   f"(netem {'available' if tb.netem else 'missing'})")
+            if tb.delay_s:
+                self.notes.append(
+                    f"added delay: {1e3 * tb.delay_s:g} ms each way, by a user-space relay "
+                    "between two TUN devices (robot_offload.testbed.delay_link; the relay "
+                    "runs outside the robot's CPU quota)")
             port = random.randint(20000, 40000)
             env = {"ROS_MASTER_URI": f"http://{tb.server_ip}:{port}",
                    "ROS_HOME": os.path.join(cfg.out_dir, "ros_home"), "PYTHONUNBUFFERED": "1"}

@@ -2,13 +2,15 @@
 
     python -m robot_offload.testbed selfcheck [--rates 10,50,100] [--duration-s 2.5]
                                               [--qdisc htb|tbf] [--gso-max-bytes N]
-                                              [--traces indoor,outdoor]
+                                              [--traces indoor,outdoor] [--delay-ms D]
     python -m robot_offload.testbed cleanup [--all]
     python -m robot_offload.testbed traces --out DIR [--duration-s 60]
 
-selfcheck builds the namespaces, and for each rate runs a bounded TCP bulk transfer in each
-direction and checks the goodput is within the tolerance of the rate set; it exits 1 on a
-failure and 2 when no shaped testbed can be built here (the reason is printed).
+selfcheck builds the namespaces, prints the TCP round-trip time, and for each rate runs a
+bounded TCP bulk transfer in each direction and checks the goodput is within the tolerance
+of the rate set; it exits 1 on a failure and 2 when no shaped testbed can be built here (the
+reason is printed). ``--delay-ms`` adds a one-way delay with the TUN relay (no netem needed)
+and checks the RTT is at least twice that.
 """
 
 import argparse
@@ -40,13 +42,22 @@ def _trace_names(text):
 
 def selfcheck(rates_mbps, *, duration_s=2.5, tolerance=0.10, directions=("up", "down"),
               qdisc="htb", gso_max_bytes=None, trace_names=(), trace_duration_s=10.0,
-              out=sys.stdout):
+              delay_ms=0.0, out=sys.stdout):
     kwargs = {} if gso_max_bytes is None else {"gso_max_bytes": gso_max_bytes}
+    if delay_ms:
+        kwargs.update(link="tun", delay_s=delay_ms / 1e3)
     with Testbed(qdisc=qdisc, **kwargs) as tb:
         print(f"testbed: {tb.reason}", file=out)
         if not tb.shaped:
             print("selfcheck: cannot check shaping on an unshaped testbed", file=out)
             return 2
+        tb.set_rate(rates_mbps[0] * 1e6)
+        rtt = bulk.measure_rtt(tb)
+        rtt_ok = rtt["median_s"] >= 2 * delay_ms / 1e3
+        print(f"TCP round trip (1-byte messages, {rtt['samples']} samples): median "
+              f"{1e3 * rtt['median_s']:.3f} ms, min {1e3 * rtt['min_s']:.3f} ms"
+              + (f" for {delay_ms:g} ms each way {'PASS' if rtt_ok else 'FAIL'}"
+                 if delay_ms else ""), file=out, flush=True)
         print(f"robot {tb.robot_ip} ({tb.robot_ns}) <-> server {tb.server_ip} "
               f"({tb.server_ns}); rates are TCP goodput, qdisc = rate x "
               f"{tb.wire_rate_bps(1e6) / 1e6:.4f}", file=out)
@@ -54,7 +65,7 @@ def selfcheck(rates_mbps, *, duration_s=2.5, tolerance=0.10, directions=("up", "
                   f"{'error %':>7}  {'qdisc Mbit/s':>12}  result")
         print(header, file=out)
         print("-" * len(header), file=out)
-        failures = 0
+        failures = 0 if rtt_ok else 1
         for rate in rates_mbps:
             tb.set_rate(rate * 1e6)
             qdisc_mbps = (tb.qdisc_rate_bps("robot") or 0.0) / 1e6
@@ -124,6 +135,8 @@ def main(argv=None):
     sc.add_argument("--trace-duration-s", type=float, default=10.0)
     sc.add_argument("--gso-max-bytes", type=int, default=None,
                     help="largest GSO packet (default 8192; 0 = none, 65536 = kernel's)")
+    sc.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay each direction (TUN devices and a user-space relay)")
     cl = sub.add_parser("cleanup", help="remove stale testbed namespaces and cgroups")
     cl.add_argument("--all", action="store_true",
                     help="also those of running processes (default: dead owners only)")
@@ -138,7 +151,7 @@ def main(argv=None):
                          directions=dirs, qdisc=args.qdisc,
                          gso_max_bytes=args.gso_max_bytes,
                          trace_names=args.traces,
-                         trace_duration_s=args.trace_duration_s)
+                         trace_duration_s=args.trace_duration_s, delay_ms=args.delay_ms)
     if args.cmd == "cleanup":
         removed = cleanup(include_live=args.all)
         for kind, names in removed.items():

@@ -61,3 +61,15 @@ def run_cmd(argv, *, check=True, timeout_s=10.0, input_text=None):
         raise TestbedError(f"{what} exited {proc.returncode}: "
                            f"{proc.stderr.strip() or proc.stdout.strip()}")
     return proc
+
+
+def with_package_path(env=None):
+    """``env`` plus PYTHONPATH pointing at the directory holding robot_offload, so that
+    ``python -m robot_offload...`` works in a child whatever its working directory."""
+    import robot_offload
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(robot_offload.__file__)))
+    env = dict(env or {})
+    current = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, current) if p)
+    return env

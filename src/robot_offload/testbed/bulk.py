@@ -8,6 +8,8 @@ goodput measured after a warm-up. The sender connects and writes for ``duration_
     python -m robot_offload.testbed.bulk send --host 10.231.0.2 --port P --duration-s 2.5
 
 :func:`measure` drives both through a :class:`~robot_offload.testbed.netns.Testbed`.
+:func:`measure_rtt` does the same for round-trip time (``echo`` and ``ping``: one-byte
+messages over one TCP connection).
 """
 
 import argparse
@@ -17,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from robot_offload.testbed._common import with_package_path
 
 CHUNK = 64 * 1024
 
@@ -72,6 +76,68 @@ def send(host, port, *, duration_s=2.5, connect_timeout_s=5.0):
     return sent
 
 
+def echo(host, *, port=0, timeout_s=30.0, out=sys.stdout):
+    """Accept one client and send back every byte it sends, until it closes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as lsock:
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind((host, port))
+        lsock.listen(1)
+        lsock.settimeout(timeout_s)
+        print(f"READY {lsock.getsockname()[1]}", file=out, flush=True)
+        conn, _ = lsock.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(timeout_s)
+        while True:
+            data = conn.recv(CHUNK)
+            if not data:
+                return
+            conn.sendall(data)
+
+
+def ping(host, port, *, samples=50, connect_timeout_s=5.0):
+    """Round-trip times (s) of ``samples`` one-byte messages over one TCP connection (the
+    way a persistent ROS service connection is used), without Nagle's delay."""
+    rtts = []
+    with socket.create_connection((host, port), timeout=connect_timeout_s) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            sock.sendall(b"x")
+            if not sock.recv(1):
+                raise RuntimeError("echo server closed the connection")
+            rtts.append(time.perf_counter() - t0)
+    return rtts
+
+
+def measure_rtt(testbed, *, samples=50, python=None, env=None):
+    """TCP round-trip time robot -> server -> robot: {"median_s", "min_s", "samples"}.
+
+    Raises RuntimeError if either side fails."""
+    python = python or sys.executable
+    env = with_package_path(env)
+    srv = testbed.run("server", [python, "-m", "robot_offload.testbed.bulk", "echo",
+                                 "--host", testbed.server_ip],
+                      env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = srv.stdout.readline().split()
+        if len(ready) != 2 or ready[0] != "READY":
+            raise RuntimeError(f"echo server did not start (said {ready!r})")
+        cli = testbed.run("robot", [python, "-m", "robot_offload.testbed.bulk", "ping",
+                                    "--host", testbed.server_ip, "--port", ready[1],
+                                    "--samples", samples],
+                          env=env, stdout=subprocess.PIPE, text=True)
+        out, _ = cli.communicate(timeout=30.0 + samples)
+        if cli.returncode != 0:
+            raise RuntimeError(f"ping exited {cli.returncode}")
+        rtts = sorted(json.loads(out.strip().splitlines()[-1]))
+        return {"median_s": rtts[len(rtts) // 2], "min_s": rtts[0], "samples": len(rtts)}
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+        srv.wait(5)
+
+
 def measure(testbed, direction="up", *, duration_s=2.5, warmup_s=0.3, python=None,
             env=None):
     """Measure goodput across a testbed: "up" = robot sends to server, "down" = reverse.
@@ -83,7 +149,7 @@ def measure(testbed, direction="up", *, duration_s=2.5, warmup_s=0.3, python=Non
     rx_side, tx_side = ("server", "robot") if direction == "up" else ("robot", "server")
     rx_ip = testbed.server_ip if rx_side == "server" else testbed.robot_ip
     python = python or sys.executable
-    env = _with_package_path(env)
+    env = with_package_path(env)
     timeout_s = duration_s + 15.0
     rx = testbed.run(rx_side, [python, "-m", "robot_offload.testbed.bulk", "recv",
                                "--host", rx_ip, "--warmup-s", warmup_s,
@@ -108,17 +174,6 @@ def measure(testbed, direction="up", *, duration_s=2.5, warmup_s=0.3, python=Non
             rx.wait(5)
 
 
-def _with_package_path(env):
-    """env plus PYTHONPATH pointing at the directory holding robot_offload."""
-    import robot_offload
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(robot_offload.__file__)))
-    env = dict(env or {})
-    current = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, current) if p)
-    return env
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m robot_offload.testbed.bulk")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -131,8 +186,19 @@ def main(argv=None):
     s.add_argument("--host", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--duration-s", type=float, default=2.5)
+    e = sub.add_parser("echo")
+    e.add_argument("--host", required=True)
+    e.add_argument("--port", type=int, default=0)
+    p = sub.add_parser("ping")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--samples", type=int, default=50)
     args = ap.parse_args(argv)
-    if args.cmd == "recv":
+    if args.cmd == "echo":
+        echo(args.host, port=args.port)
+    elif args.cmd == "ping":
+        print(json.dumps(ping(args.host, args.port, samples=args.samples)), flush=True)
+    elif args.cmd == "recv":
         result = receive(args.host, port=args.port, warmup_s=args.warmup_s,
                          timeout_s=args.timeout_s)
         print(json.dumps(result), flush=True)

@@ -20,7 +20,10 @@ measured: with ``goodput=True`` (default) the qdisc is set to ``rate * wire_fact
 The rate limit is ``htb`` (one class with rate = ceil, a ``bfifo`` queue as its leaf), the
 same on every machine. Where the kernel has ``netem`` (probed once per process) a fixed
 one-way delay is available as a ``netem delay`` leaf under that class
-(``delay_supported``); the development machine's kernel has no netem. Measured choices:
+(``delay_supported``). The development machine's kernel has no netem. There,
+``link="tun"`` joins the namespaces with two TUN devices and a user-space relay that
+delays every packet (:mod:`robot_offload.testbed.delay_link`). The htb shaping is the same
+on the TUN devices. Measured choices:
 
 - Trace replay uses ``tc class change`` / ``tc qdisc change``, which keep the queue and the
   class's tokens: replaying 9.5 s of the indoor / outdoor traces under a bulk TCP upload
@@ -55,14 +58,17 @@ import logging
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
+from robot_offload.testbed import delay_link
 from robot_offload.testbed._common import (
-    PREFIX, TestbedError, owner_pid, pid_alive, run_cmd, unique_base)
+    PREFIX, TestbedError, owner_pid, pid_alive, run_cmd, unique_base, with_package_path)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,9 @@ GSO_MAX_BYTES = 8192
 #: htb quantum (bytes): at least the largest GSO packet; only matters between siblings.
 HTB_QUANTUM = 65536
 QDISCS = ("htb", "tbf")
+#: How the namespaces are joined: a veth pair (kernel only; delay needs netem) or two TUN
+#: devices and a delaying user-space relay (delay without netem).
+LINKS = ("veth", "tun")
 
 # Probe result for "does `tc qdisc add ... netem` work", shared by every testbed in the
 # process (the kernel does not change under us).
@@ -98,9 +107,10 @@ def clamp_rate(rate_bps):
     return min(max(rate, MIN_RATE_BPS), MAX_RATE_BPS)
 
 
-def wire_factor(mtu=1500):
-    """Wire bytes per TCP payload byte for full segments: (mtu + 14) / (mtu - 52)."""
-    return (mtu + ETH_HEADER_BYTES) / (mtu - TCP_IP_HEADER_BYTES)
+def wire_factor(mtu=1500, l2_header_bytes=ETH_HEADER_BYTES):
+    """Wire bytes per TCP payload byte for full segments: (mtu + 14) / (mtu - 52). A TUN
+    device's qdisc sees bare IP packets: ``l2_header_bytes=0``."""
+    return (mtu + l2_header_bytes) / (mtu - TCP_IP_HEADER_BYTES)
 
 
 def shaper_sizes(rate_bps, *, latency_s=0.2, mtu=1500, gso_max_bytes=0):
@@ -177,9 +187,12 @@ class Testbed:
     ``fallback=False`` raises TestbedError instead of falling back to loopback;
     ``loopback=True`` asks for the unshaped loopback testbed outright.
     ``gso_max_bytes`` caps the packets TCP hands the qdisc (0: MTU-sized, no GSO; see the
-    module docstring for the measured trade-off).
+    module docstring for the measured trade-off; veth only, TUN devices have no GSO).
+    ``link="tun"``: TUN devices and a delay relay instead of the veth pair, so that
+    ``delay_s`` / ``set_delay`` work without netem (the relay costs CPU: about 0.1-0.4 ms
+    per round trip and a share of a core at 100 Mbit/s).
 
-    Attributes: ``shaped``, ``reason``, ``netem``, ``delay_supported``, ``robot_ip``,
+    Attributes: ``shaped``, ``reason``, ``link``, ``netem``, ``delay_supported``, ``robot_ip``,
     ``server_ip``, ``robot_ns``, ``server_ns``, ``robot_if``, ``server_if``,
     ``rate_bps`` (last applied uplink rate or None), ``down_bps``, ``delay_s``.
     """
@@ -189,9 +202,11 @@ class Testbed:
     def __init__(self, *, subnet="10.231.0.0/30", rate_bps=None, delay_s=0.0,
                  latency_s=0.2, mtu=1500, goodput=True, qdisc="htb",
                  gso_max_bytes=GSO_MAX_BYTES, fallback=True, loopback=False, prefix=PREFIX,
-                 use_netem=True):
+                 use_netem=True, link="veth"):
         if qdisc not in QDISCS:
             raise ValueError(f"unknown qdisc {qdisc!r}; supported: {', '.join(QDISCS)}")
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; supported: {', '.join(LINKS)}")
         net = ipaddress.ip_network(subnet)
         if net.version != 4 or net.prefixlen > 30:
             raise ValueError(f"subnet must be IPv4 with at least 2 hosts, got {subnet}")
@@ -204,7 +219,8 @@ class Testbed:
         self.qdisc_kind = qdisc
         frame = self.mtu + ETH_HEADER_BYTES
         gso_max_bytes = int(gso_max_bytes or 0)
-        self.gso_max_bytes = gso_max_bytes if gso_max_bytes > frame else 0
+        self.gso_max_bytes = gso_max_bytes if gso_max_bytes > frame and link == "veth" else 0
+        self.link = link
         self._trees = {}
         self._want_rate = rate_bps
         self._want_delay = float(delay_s)
@@ -216,8 +232,11 @@ class Testbed:
         base = unique_base(prefix)
         self.robot_ns = f"{base}-robot"
         self.server_ns = f"{base}-server"
-        self.robot_if = "veth-robot"
-        self.server_if = "veth-server"
+        self.robot_if = f"{link}-robot"
+        self.server_if = f"{link}-server"
+        # TUN names while the devices are still in the host namespace (unique there).
+        self._tun_host_names = {side: f"ro{base.split('-', 1)[1]}{side[0]}" for side in SIDES}
+        self._relay = None
 
         self.shaped = False
         self.reason = "not opened"
@@ -243,11 +262,13 @@ class Testbed:
 
     @property
     def delay_supported(self):
-        return self.shaped and self.netem
+        return self.shaped and (self.netem or self.link == "tun")
 
     def wire_rate_bps(self, rate_bps):
         """The qdisc rate used for a requested (clamped) rate."""
-        return clamp_rate(rate_bps) * (wire_factor(self.mtu) if self.goodput else 1.0)
+        l2_header_bytes = ETH_HEADER_BYTES if self.link == "veth" else 0
+        return clamp_rate(rate_bps) * (wire_factor(self.mtu, l2_header_bytes) if self.goodput
+                                       else 1.0)
 
     def ns(self, side):
         """Namespace name of a side ("robot" or "server")."""
@@ -278,7 +299,9 @@ class Testbed:
                 self.shaped = True
                 self.reason = (f"namespaces {self.robot_ns} / {self.server_ns}, "
                                f"{self.qdisc_kind} rate limit, "
-                               + ("netem available for delay" if self.netem
+                               + ("TUN devices, delay by a user-space relay"
+                                  if self.link == "tun"
+                                  else "netem available for delay" if self.netem
                                   else "no netem in this kernel: no added delay"))
             except TestbedError as e:
                 self._teardown()
@@ -318,20 +341,58 @@ class Testbed:
         self._created_ns.append(self.robot_ns)
         self._ip("netns", "add", self.server_ns)
         self._created_ns.append(self.server_ns)
-        self._ip("-n", self.robot_ns, "link", "add", self.robot_if, "type", "veth",
-                 "peer", "name", self.server_if, "netns", self.server_ns)
+        if self.link == "tun":
+            self._start_relay()
+            for side in SIDES:
+                host_name = self._tun_host_names[side]
+                self._ip("link", "set", host_name, "netns", self.ns(side))
+                self._ip("-n", self.ns(side), "link", "set", host_name, "name", self.dev(side))
+        else:
+            self._ip("-n", self.robot_ns, "link", "add", self.robot_if, "type", "veth",
+                     "peer", "name", self.server_if, "netns", self.server_ns)
         for side in SIDES:
             ns, dev = self.ns(side), self.dev(side)
             self._ip("-n", ns, "link", "set", "lo", "up")
             self._ip("-n", ns, "link", "set", dev, "mtu", str(self.mtu))
             if self.gso_max_bytes:
                 self._ip("-n", ns, "link", "set", dev, "gso_max_size", str(self.gso_max_bytes))
-            else:
+            elif self.link == "veth":
                 self._ip("-n", ns, "link", "set", dev, "gso_max_segs", "1")
             self._ip("-n", ns, "addr", "add", f"{self._addr[side]}/{self._prefixlen}",
                      "dev", dev)
             self._ip("-n", ns, "link", "set", dev, "up")
         self.netem = self._use_netem and self._probe_netem()
+
+    def _start_relay(self, timeout_s=10.0):
+        """Start the delay relay (its own process, see delay_link) and wait for its TUN
+        devices."""
+        # -c, not -m: "-m robot_offload.testbed.delay_link" would run a module the package
+        # has already imported (runpy warns that it may behave unpredictably).
+        self._relay = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from robot_offload.testbed.delay_link import "
+             "main; sys.exit(main(sys.argv[1:]))", self._tun_host_names["robot"],
+             self._tun_host_names["server"], "--delay-s", repr(self._want_delay)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, **with_package_path()}, start_new_session=True)
+        ready, _, _ = select.select([self._relay.stdout], [], [], timeout_s)
+        line = self._relay.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            raise TestbedError(f"delay relay did not start (exit code {self._relay.poll()}, "
+                               f"said {line!r}); TUN needs /dev/net/tun and root")
+        self.delay_s = self._want_delay
+
+    def _stop_relay(self):
+        """Close the relay's input (it exits and its TUN devices go) and wait for it."""
+        relay, self._relay = self._relay, None
+        if relay is None:
+            return
+        try:
+            relay.stdin.close()
+            relay.wait(5.0)
+        except (OSError, subprocess.TimeoutExpired):
+            _stop_process_group(relay)
+        if relay.stdout is not None:
+            relay.stdout.close()
 
     def _probe_netem(self):
         if not _netem_probe["done"]:
@@ -350,6 +411,7 @@ class Testbed:
         for proc in self._procs:
             _stop_process_group(proc)
         self._procs.clear()
+        self._stop_relay()
         if self._created_ns:
             for ns in self._created_ns:
                 _kill_namespace_pids(ns)
@@ -384,32 +446,41 @@ class Testbed:
 
     def _shape(self, side, rate_bps):
         ns, dev = self.ns(side), self.dev(side)
-        tree = (self.qdisc_kind, bool(self.delay_s))
+        netem_delay_s = self.delay_s if self.link == "veth" else 0.0  # tun: the relay delays
+        tree = (self.qdisc_kind, bool(netem_delay_s))
         create = self._trees.get(side) != tree
         if create:
             run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             self._trees.pop(side, None)
         lines = shaping_batch(dev, self.wire_rate_bps(rate_bps), qdisc=self.qdisc_kind,
-                              create=create, delay_s=self.delay_s,
+                              create=create, delay_s=netem_delay_s,
                               latency_s=self.latency_s, mtu=self.mtu,
                               gso_max_bytes=self.gso_max_bytes)
         run_cmd(["tc", "-n", ns, "-batch", "-"], input_text="\n".join(lines) + "\n")
         self._trees[side] = tree
 
     def set_delay(self, delay_s):
-        """Fixed one-way delay on both directions, as a netem leaf under the rate class
-        (TestbedError where the kernel has no netem). Needs a rate: call set_rate first
-        or give ``rate_bps`` to the constructor."""
-        delay_s = float(delay_s)
-        if delay_s < 0 or not math.isfinite(delay_s):
-            raise ValueError(f"delay must be >= 0 s, got {delay_s}")
+        """Fixed one-way delay on both directions: with ``link="tun"`` the relay's, else a
+        netem leaf under the rate class (TestbedError where the kernel has no netem). On a
+        veth link it needs a rate: call set_rate first or give ``rate_bps`` to the
+        constructor."""
+        delay_s = delay_link.check_delay(delay_s)
         with self._lock:
             self._require_open()
             if delay_s and not self.delay_supported:
                 raise TestbedError(
                     "fixed delay needs netem, which "
-                    + ("this kernel lacks" if self.shaped else "an unshaped testbed lacks")
+                    + ("this kernel lacks (Testbed(link='tun') delays without it)"
+                       if self.shaped else "an unshaped testbed lacks")
                     + f" ({self.reason})")
+            if self.link == "tun":
+                try:
+                    self._relay.stdin.write(f"delay {delay_s!r}\n".encode())
+                    self._relay.stdin.flush()
+                except (OSError, AttributeError) as e:
+                    raise TestbedError(f"delay relay is gone: {e}") from e
+                self.delay_s = delay_s
+                return
             if delay_s and self.qdisc_kind != "htb":
                 raise TestbedError("fixed delay needs qdisc='htb' (a netem leaf)")
             if self.rate_bps is None:
@@ -427,6 +498,8 @@ class Testbed:
                              self.dev(side), "root"], check=False)
             self._trees.clear()
             self.rate_bps = self.down_bps = None
+            if self.link == "tun" and self.delay_s and self._relay is not None:
+                self.set_delay(0.0)
             self.delay_s = 0.0
 
     def qdisc(self, side):
