@@ -150,9 +150,9 @@ def test_registry_models_transparent_equals_local(shared_server, model):
 
 # -- the session in process --------------------------------------------------------------------
 
-def _session(server=None, mode="record_replay"):
+def _session(server=None, mode="record_replay", **kwargs):
     transport = InProcessTransport(server or OffloadServer(ServerConfig(device="cpu")))
-    return RemoteSession(lambda r, t: transport.call("compute", r, t), mode=mode)
+    return RemoteSession(lambda r, t: transport.call("compute", r, t), mode=mode, **kwargs)
 
 
 class _Net(nn.Module):
@@ -166,10 +166,11 @@ class _Net(nn.Module):
         return self.b(h)
 
 
-def test_modified_weight_diverges_and_stays_correct():
+@pytest.mark.parametrize("early_replay", [True, False])
+def test_modified_weight_diverges_and_stays_correct(early_replay):
     torch.manual_seed(0)
     net = _Net().eval()
-    sess = _session()
+    sess = _session(early_replay=early_replay)
     with torch.no_grad():
         for i in range(6):
             x = torch.randn(1, 3, 8, 8)
@@ -181,44 +182,90 @@ def test_modified_weight_diverges_and_stays_correct():
             torch.testing.assert_close(y, ref)
     assert sess.stats.sequences_identified >= 1
     assert sess.stats.divergences == 1
+    # Early: the replay left at the convolution; the changed weight is found at the linear
+    # layer after it, so that reply is dropped and the matched prefix replayed again.
+    assert sess.stats.early_dropped == (1 if early_replay else 0)
+    assert (sess.stats.early_replays >= 1) == early_replay
 
 
-def test_frame_phase_precedence():
-    """One frame's phase from the session's records: a divergence during the frame wins
-    (even when it marked a record from before the frame), then replaying when every new
-    inference replayed, else recording; transparent sessions are always transparent."""
-    from robot_offload.transparent.session import InferenceCount
-    assert RemoteSession(None, mode="transparent").frame_phase(0, 0) == "transparent"
-    sess = RemoteSession(None, mode="record_replay")
-    infs = sess.stats.inferences
-    assert sess.frame_phase(0, 0) == "recording"              # no new inference
-    infs.append(InferenceCount("recording"))
-    assert sess.frame_phase(0, 0) == "recording"
-    infs.append(InferenceCount("replaying"))
-    assert sess.frame_phase(1, 0) == "replaying"
-    assert sess.frame_phase(0, 0) == "recording"              # one of two recorded
-    infs[1].phase = "fallback"
-    sess.stats.divergences += 1
-    assert sess.frame_phase(1, 0) == "fallback"
-    infs.append(InferenceCount("replaying"))                  # the divergence predates it
-    assert sess.frame_phase(2, 0) == "fallback"
-    assert sess.frame_phase(2, 1) == "replaying"
-
-
-def test_frame_phase_of_real_frames():
+def test_early_replay_overlaps_the_checks():
+    """The replay request leaves on the worker thread while the program's thread is still
+    checking calls: the call below holds each replay until the program has matched the
+    whole sequence, which a replay sent at the end of the sequence could never see."""
+    import threading
     torch.manual_seed(0)
     net = _Net().eval()
-    sess = _session()
-    phases = []
+    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    seen = []   # (thread name, replay n, the program had matched all n calls meanwhile)
+    sess = None
+
+    def call(req, timeout):
+        body = json.loads(req.args_json)
+        if "replay" in body:
+            spec = sess._spec
+            deadline = time.monotonic() + 5.0
+            while spec.pos < spec.seq.n_ops and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append((threading.current_thread().name, body["replay"]["n"],
+                         spec.pos == spec.seq.n_ops))
+        return transport.call("compute", req, timeout)
+
+    sess = RemoteSession(call)
     with torch.no_grad():
         for i in range(6):
-            if i == 5:
-                net.b.weight.mul_(2.0)
-            n, d = len(sess.stats.inferences), sess.stats.divergences
+            x = torch.randn(1, 3, 8, 8)
+            ref = net(x)
             with sess:
-                net(torch.randn(1, 3, 8, 8)).cpu()
-            phases.append(sess.frame_phase(n, d))
-    assert phases[0] == "recording" and phases[4] == "replaying" and phases[5] == "fallback", phases
+                y = net(x).cpu()
+            torch.testing.assert_close(y, ref)
+    assert sess.stats.early_replays >= 2 and sess.stats.early_dropped == 0
+    # The first replay of the sequence goes at its end (it learns what the program holds).
+    assert sess.stats.replays == sess.stats.early_replays + 1
+    early = [(n, done) for name, n, done in seen if name.startswith("rr-early-replay")]
+    assert len(early) == sess.stats.early_replays, seen
+    assert all(done for _, done in early), seen
+    replayed = [i for i in sess.stats.inferences if i.phase == "replaying"]
+    assert replayed and all(i.round_trips == 1 for i in replayed)
+
+
+class _KeepsHidden(_Net):
+    """Keeps an intermediate tensor and reads it after the frame, as a tracker keeps
+    features."""
+
+    def forward(self, x):
+        self.hidden = torch.relu(self.a(x))
+        return self.b(self.hidden.mean(dim=(2, 3)))
+
+
+def test_early_replay_not_used_when_the_program_holds_more():
+    """The early reply keeps what the program held at the end of the previous replay. When
+    it holds more (here: the record is made to forget the kept tensor, as if the program
+    had not held it before), the reply is dropped and the sequence replayed at its end,
+    so the tensor read after the frame still has its value."""
+    torch.manual_seed(0)
+    net = _KeepsHidden().eval()
+    sess = _session()
+    counts = []
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(1, 3, 8, 8)
+            ref = net(x)
+            ref_hidden = net.hidden
+            if i == 5:
+                seq, = sess.recorder.sequences.values()
+                assert seq.early_keep is not None and (1, 0) in seq.early_keep
+                seq.early_keep = [k for k in seq.early_keep if k != (1, 0)]
+            with sess:
+                y = net(x).cpu()
+                # read after the sequence (from frame 5: not during recording, so not
+                # fetched with the reply): needs the server to have kept it
+                hidden = net.hidden.cpu() if i >= 5 else ref_hidden
+            torch.testing.assert_close(y, ref)
+            torch.testing.assert_close(hidden, ref_hidden)
+            counts.append((sess.stats.early_replays, sess.stats.early_dropped))
+    # frame 3: the first replay (at the end); 4: early; 5: dropped; 6, 7: early again
+    assert counts[3:] == [(0, 0), (1, 0), (1, 1), (2, 1), (3, 1)], counts
+    assert sess.stats.divergences == 0
 
 
 def test_data_dependent_shape_is_a_sync_point():
@@ -240,6 +287,7 @@ def test_data_dependent_shape_is_a_sync_point():
             torch.testing.assert_close(y, ref)
     assert sess.stats.sequences_identified >= 1
     assert sess.stats.divergences >= 1
+    assert sess.stats.early_replays == 0   # a sync point: the replay cannot go early
 
 
 def _ops_request(args, tensors=(), session="s1"):

@@ -51,9 +51,18 @@ class Sequence:
     input_metas: List[dict]
     prefetch: List[Tuple[int, int]]   # outputs the robot read back during recording
     n_ops: int = 0
+    # Outputs the program still held when its last replay ended (robot side only): what an
+    # early replay asks the server to keep. None until one replay has ended.
+    early_keep: Optional[List[Tuple[int, int]]] = None
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
+
+    @property
+    def early_ok(self) -> bool:
+        """Whether the whole replay may be sent before its last call is checked: not with
+        a sync point, whose value or shape the program needs in the middle."""
+        return not any(self.sync)
 
 
 def _refs(tree, out):

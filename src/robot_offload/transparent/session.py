@@ -35,8 +35,20 @@ in the same reply. A call that differs from the record ends the speculation: the
 operators matched so far are replayed (they are exactly what the program asked for), this
 one and the rest go one by one, and recording starts again. So a divergence costs time,
 never a wrong result.
+
+Early replay (``early_replay=True``, the default): in a sequence without sync points the
+whole replay is sent as soon as the last fresh input has been seen, as the paper's robot
+does. It asks the server to keep the outputs the program held when the previous replay of
+the sequence ended, and to send back the ones it read during recording. The robot then checks the rest of the calls against the record while the
+request crosses the link and the server runs it. On 0.5 CPU those checks took 20-150 ms
+per frame, which was on the critical path when the request waited for the end of the
+sequence. The early reply is used only when every call matched and the program holds no
+other output of the sequence. Otherwise (a divergence, a value wanted mid-sequence, an
+intermediate tensor kept) it is dropped, its handles released, and the usual replay is
+sent, so the fallback costs one round trip more and never a wrong result.
 """
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -146,6 +158,8 @@ class SessionStats:
     ops_replayed: int = 0
     server_losses: int = 0
     replays: int = 0
+    early_replays: int = 0        # replays sent before the sequence ended, reply used
+    early_dropped: int = 0        # early replays whose reply could not be used
     divergences: int = 0
     sequences_identified: int = 0
     inferences: List[InferenceCount] = field(default_factory=list)
@@ -166,6 +180,9 @@ class _Speculation:
         self.proxies: Dict[tuple, "weakref.ref"] = {}    # (j, k) -> proxy
         self.inputs: Dict[int, torch.Tensor] = {}        # input index -> robot tensor / proxy
         self.inputs_sent = set()
+        self.early: Optional[concurrent.futures.Future] = None  # the early replay's reply
+        self.early_keep: List[tuple] = []                      # outputs it keeps
+        self.early_fetch: List[tuple] = []                     # ... and sends back
 
 
 class RemoteSession:
@@ -177,7 +194,7 @@ class RemoteSession:
 
     def __init__(self, call, mode: str = "record_replay", client_id: str = "",
                  timeout_s: float = 10.0, output_codec: str = "raw", local_fallback: bool = False,
-                 retry_interval_s: float = 0.5):
+                 retry_interval_s: float = 0.5, early_replay: bool = True):
         if mode not in MODES:
             raise OffloadError(f"unknown transparent mode {mode!r}; known: {list(MODES)}")
         self._call = call
@@ -201,6 +218,11 @@ class RemoteSession:
         self.last_error = ""
         self._prober: Optional[threading.Thread] = None
         self._generation = 0
+        # One worker sends early replays; the program's thread goes on checking calls. At
+        # most one request of this session is in flight: every other send first settles
+        # the early one (_settle_early).
+        self.early_replay = early_replay
+        self._early_sender: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.reset()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -432,8 +454,11 @@ class RemoteSession:
         self._digests[id(t)] = (weakref.ref(t), _version_of(t), sha)
         return sha
 
-    def _send(self, req_args: dict, uploads: list, fetch_tensors: bool = True):
-        """One round trip. Uploads go by digest first (big robot tensors), then by value."""
+    def _send(self, req_args: dict, uploads: list, fetch_tensors: bool = True,
+              take_releases: bool = True):
+        """One round trip. Uploads go by digest first (big robot tensors), then by value.
+        ``take_releases=False``: the caller put the pending releases in ``req_args`` itself
+        (a worker thread must not swap the list the program's thread appends to)."""
         # Weights (nn.Parameter) of some size are offered by digest: the server may hold
         # them already. Frames and other tensors go by value at once.
         by_digest = [isinstance(t, torch.nn.Parameter) and t.numel() * t.element_size() >= DIGEST_MIN_BYTES
@@ -454,7 +479,7 @@ class RemoteSession:
             body = dict(req_args)
             if specs:
                 body["uploads"] = specs
-            if self._releases:
+            if take_releases and self._releases:
                 body["release"], self._releases = self._releases, []
             response = self._roundtrip(body, tensors)
             result = json.loads(response.result_json or "{}")
@@ -710,6 +735,10 @@ class RemoteSession:
                 t._pending = t._origin = (spec, j, k)
                 spec.proxies[(j, k)] = weakref.ref(t)
         spec.pos = j + 1
+        if (self.early_replay and spec.early is None and spec.sent == 0 and seq.early_ok
+                and seq.early_keep is not None and len(spec.inputs) == len(seq.input_metas)
+                and spec.pos < seq.n_ops):
+            self._send_early(spec)
         self.stats.ops_replayed += 1
         if self.stats.inferences:
             self.stats.inferences[-1].ops += 1
@@ -800,10 +829,39 @@ class RemoteSession:
             raise Mismatch(f"operator {j}: argument {str(enc)[:40]} differs from the record {str(expected)[:40]}")
 
     def _flush(self, why: str, want: Optional[RemoteTensor] = None, sync_op: Optional[int] = None):
-        """Send the matched but unsent operators of the speculation as one replay."""
+        """Send the matched but unsent operators of the speculation as one replay (or use
+        the early replay's reply, when it covers what the program holds)."""
         spec = self._spec
-        if spec is None or spec.pos == spec.sent:
+        if spec is None:
             return None
+        if spec.early is not None and self._settle_early(spec, want, sync_op):
+            return None
+        if spec.pos == spec.sent:
+            return None
+        seq = spec.seq
+        alive = self._alive_proxies(spec)
+        keep = sorted(alive)
+        prefetch = set(map(tuple, seq.prefetch))
+        fetch = [key for key in keep if key in prefetch or (want is not None and alive[key] is want)]
+        body, uploads = self._replay_body(spec, spec.pos, keep, fetch, sync_op)
+        result, response = self._send(body, uploads)
+        self._apply_replay(spec, result, response, alive, fetch)
+        if spec.pos == seq.n_ops and sync_op is None and want is None and spec.sent == spec.pos:
+            # What the program holds at the end: what the next early replay keeps.
+            seq.early_keep = sorted(set(keep) | prefetch)
+        if sync_op is not None:
+            return result["replay"]["rets"].get(str(sync_op))
+        return None
+
+    @staticmethod
+    def _alive_proxies(spec) -> dict:
+        """(j, k) -> proxy of the sequence's outputs the program still holds, unsent."""
+        alive = {key: r() for key, r in spec.proxies.items()}
+        return {key: p for key, p in alive.items() if p is not None and p._pending is not None}
+
+    def _replay_body(self, spec, upto: int, keep, fetch, sync_op=None):
+        """The ``replay`` request for operators ``spec.sent`` .. ``upto``-1 (and its uploads:
+        the fresh inputs not sent yet)."""
         seq = spec.seq
         uploads: List[tuple] = []
         inputs = []
@@ -815,17 +873,16 @@ class RemoteSession:
             else:
                 inputs.append([idx, self._upload_ref(t, uploads)])
             spec.inputs_sent.add(idx)
-        alive = {key: r() for key, r in spec.proxies.items()}
-        alive = {key: p for key, p in alive.items() if p is not None and p._pending is not None}
-        keep = sorted(alive)
-        fetch = [key for key in keep if key in set(map(tuple, seq.prefetch)) or (want is not None and alive[key] is want)]
-        body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": spec.pos, "inputs": inputs,
+        body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": upto, "inputs": inputs,
                            "keep": [list(k) for k in keep], "fetch": [list(k) for k in fetch],
                            "sync": [sync_op] if sync_op is not None else []}}
         if seq.seq_id not in self._defined:
             body["define"] = {"id": seq.seq_id, "ops": seq.ops, "n_inputs": len(seq.input_metas)}
             self._defined.add(seq.seq_id)
-        result, response = self._send(body, uploads)
+        return body, uploads
+
+    def _apply_replay(self, spec, result, response, alive: dict, fetch) -> None:
+        """Hand the reply's handles and values to the proxies the program holds."""
         self.stats.replays += 1
         spec.sent = spec.pos
         for j, k, h in result["replay"]["kept"]:
@@ -833,12 +890,46 @@ class RemoteSession:
             if p is not None:
                 p._cell[0] = h
                 p._pending = None
+            else:  # kept for a proxy the program has dropped meanwhile
+                self._releases.append(h)
         for key, enc in zip(fetch, response.tensors):
-            p = alive[key]
-            p._value = self._to_robot(codec.decode(enc), p)
-        if sync_op is not None:
-            return result["replay"]["rets"].get(str(sync_op))
-        return None
+            p = alive.get(key)
+            if p is not None:
+                p._value = self._to_robot(codec.decode(enc), p)
+
+    def _send_early(self, spec) -> None:
+        """Send the whole sequence now, on the worker thread (see the module docstring)."""
+        seq = spec.seq
+        spec.early_fetch = sorted(set(map(tuple, seq.prefetch)))
+        spec.early_keep = sorted(set(map(tuple, seq.early_keep)) | set(spec.early_fetch))
+        body, uploads = self._replay_body(spec, seq.n_ops, spec.early_keep, spec.early_fetch)
+        if self._early_sender is None:
+            self._early_sender = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="rr-early-replay")
+        if self._releases:
+            body["release"], self._releases = self._releases, []
+        spec.early = self._early_sender.submit(self._send, body, uploads, take_releases=False)
+
+    def _settle_early(self, spec, want=None, sync_op=None) -> bool:
+        """Wait for the early replay's reply. True when it answers the flush: the whole
+        sequence matched, no value or sync result is asked for, and the program holds only
+        outputs the reply kept. Otherwise release what it kept and make the next replay
+        start from the first operator again (False)."""
+        future, spec.early = spec.early, None
+        result, response = future.result()  # _send's own deadline bounds the wait
+        alive = self._alive_proxies(spec)
+        at_end = spec.pos == spec.seq.n_ops and want is None and sync_op is None
+        if at_end and set(alive) <= set(spec.early_keep):
+            self._apply_replay(spec, result, response, alive, spec.early_fetch)
+            self.stats.early_replays += 1
+            return True
+        if at_end:  # the program holds more than last time: keep that next time
+            spec.seq.early_keep = sorted(set(spec.early_keep) | set(alive))
+        self._releases.extend(h for _, _, h in result["replay"]["kept"])
+        spec.sent = 0
+        spec.inputs_sent.clear()
+        self.stats.early_dropped += 1
+        return False
 
     def _diverge(self, why: str) -> None:
         spec = self._spec
