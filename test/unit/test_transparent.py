@@ -228,6 +228,30 @@ def test_early_replay_overlaps_the_checks():
     assert replayed and all(i.round_trips == 1 for i in replayed)
 
 
+def test_dropped_proxies_are_freed_without_the_garbage_collector():
+    """Proxies die when the program drops them, not at the next garbage collection (a
+    recursive closure once kept every operator's arguments in a reference cycle): the
+    server's tensors are released at once, and an early replay's check of what the
+    program holds is not fooled by garbage."""
+    import gc
+    from robot_offload.transparent.session import RemoteTensor
+    torch.manual_seed(0)
+    net = _Net().eval()
+    sess = _session()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for i in range(6):
+                with sess:
+                    y = net(torch.randn(1, 3, 8, 8)).cpu()
+        left = [o for o in gc.get_objects() if type(o) is RemoteTensor]
+    finally:
+        gc.enable()
+    assert sess.stats.early_replays >= 1 and y.shape == (1, 2)
+    assert left == []
+
+
 class _KeepsHidden(_Net):
     """Keeps an intermediate tensor and reads it after the frame, as a tracker keeps
     features."""
@@ -321,21 +345,26 @@ def test_server_can_refuse_transparent_sessions():
     assert resp.status == StatusCode.UNAUTHORIZED
 
 
-def test_launcher_session_survives_server_loss_and_resumes():
+@pytest.mark.parametrize("early_replay", [False, True])
+def test_launcher_session_survives_server_loss_and_resumes(early_replay):
     """With local_fallback (the launcher), a server that disappears mid-program costs no
     result: proxies are recomputed on the robot from their recipes, operators run locally
-    while the server is gone, and offloading resumes once a probe reaches it again."""
+    while the server is gone, and offloading resumes once a probe reaches it again. (An
+    early replay leaves at the first operator, so there the server dies just before it.)"""
     torch.manual_seed(0)
     net = _Net().eval()
     transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
     server = transport.server
     sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
-                         local_fallback=True, retry_interval_s=0.05, timeout_s=2.0)
+                         local_fallback=True, retry_interval_s=0.05, timeout_s=2.0,
+                         early_replay=early_replay)
     with torch.no_grad():
         for i in range(12):
             x = torch.randn(1, 3, 8, 8)
             ref = net(x)
             with sess:
+                if i in (4, 8) and early_replay:
+                    transport.server = None       # the server dies as the inference starts
                 h = torch.relu(net.a(x))          # remote
                 if i in (4, 8):
                     transport.server = None       # the server dies mid-inference

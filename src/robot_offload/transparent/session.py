@@ -550,9 +550,16 @@ class RemoteSession:
             if isinstance(node, dict) and len(node) == 1 and "f" in node:
                 return float(node["f"])
             return node
-        if n_returns > 1 and isinstance(ret, dict) and "l" in ret:
-            return tuple(build(v, i) for i, v in enumerate(ret["l"]))
-        return build(ret, 0)
+        try:
+            if n_returns > 1 and isinstance(ret, dict) and "l" in ret:
+                return tuple(build(v, i) for i, v in enumerate(ret["l"]))
+            return build(ret, 0)
+        finally:
+            # A recursive closure is a reference cycle (function -> cell -> function) that
+            # would keep this operator's arguments alive until the garbage collector runs:
+            # proxies the program has dropped would still count as held (replay keeps,
+            # early replay's coverage check) and server tensors would be released late.
+            build = None
 
     # -- materialising ---------------------------------------------------------------------
     def materialize(self, t):
@@ -615,8 +622,11 @@ class RemoteSession:
             if isinstance(node, dict) and len(node) == 1 and "l" in node:
                 return {"l": [rec(n, v) for n, v in zip(node["l"], value)]}
             return node
-        a_rec = rec(a_tree, list(args))
-        k_rec = {k: rec(v, kwargs[k]) for k, v in k_tree.items()}
+        try:
+            a_rec = rec(a_tree, list(args))
+            k_rec = {k: rec(v, kwargs[k]) for k, v in k_tree.items()}
+        finally:
+            rec = None  # break the closure's reference cycle (see _decode_return)
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         metas = [wire.tensor_meta(t) for t in out_tensors]
         _, _, value_return, _, _ = self._schema(func)
@@ -774,7 +784,10 @@ class RemoteSession:
             if isinstance(node, dict) and len(node) == 1 and "l" in node:
                 return {"l": [walk(v) for v in node["l"]]}
             return node
-        return walk(actual)
+        try:
+            return walk(actual)
+        finally:
+            walk = None  # break the closure's reference cycle (see _decode_return)
 
     def _note_divergence(self, spec, why: str) -> None:
         self.stats.divergences += 1
@@ -983,15 +996,16 @@ def _version_of(t: torch.Tensor) -> int:
 
 
 def _metas_in(tree) -> list:
+    """The tensor metas of a return tree, depth first (no recursive closure: see
+    _decode_return)."""
     out = []
-
-    def walk(node):
+    stack = [tree]
+    while stack:
+        node = stack.pop()
         if isinstance(node, dict) and len(node) == 1 and "t" in node:
             out.append(node["t"])
         elif isinstance(node, dict) and len(node) == 1 and "l" in node:
-            for v in node["l"]:
-                walk(v)
-    walk(tree)
+            stack.extend(reversed(node["l"]))
     return out
 
 
