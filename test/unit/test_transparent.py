@@ -228,6 +228,30 @@ def test_early_replay_overlaps_the_checks():
     assert replayed and all(i.round_trips == 1 for i in replayed)
 
 
+def test_early_replay_stops_after_repeated_misses():
+    """Each dropped early reply costs a second round trip: after EARLY_MAX_MISSES in a row
+    the sequence is replayed at its end only, still correct."""
+    from robot_offload.transparent.recorder import EARLY_MAX_MISSES
+    torch.manual_seed(0)
+    net = _KeepsHidden().eval()
+    sess = _session()
+    with torch.no_grad():
+        for i in range(10):
+            x = torch.randn(1, 3, 8, 8)
+            ref = net(x)
+            ref_hidden = net.hidden
+            for seq in sess.recorder.sequences.values():
+                seq.early_keep = []   # as if the program held nothing at the end before
+            with sess:
+                y = net(x).cpu()
+                hidden = net.hidden.cpu()
+            torch.testing.assert_close(y, ref)
+            torch.testing.assert_close(hidden, ref_hidden)
+    assert sess.stats.early_dropped == EARLY_MAX_MISSES and sess.stats.early_replays == 0
+    replayed = [i for i in sess.stats.inferences if i.phase == "replaying"]
+    assert [i.round_trips for i in replayed][-2:] == [1, 1]
+
+
 def test_dropped_proxies_are_freed_without_the_garbage_collector():
     """Proxies die when the program drops them, not at the next garbage collection (a
     recursive closure once kept every operator's arguments in a reference cycle): the

@@ -39,6 +39,10 @@ class RecordedOp:
     fetched: set = field(default_factory=set)   # output indices read back by the robot
 
 
+#: Early replies of one sequence dropped in a row before it is replayed at its end only.
+EARLY_MAX_MISSES = 3
+
+
 @dataclass
 class Sequence:
     """An identified inference operator sequence, in the server's ``define`` form."""
@@ -54,6 +58,9 @@ class Sequence:
     # Outputs the program still held when its last replay ended (robot side only): what an
     # early replay asks the server to keep. None until one replay has ended.
     early_keep: Optional[List[Tuple[int, int]]] = None
+    # Early replies dropped in a row; at EARLY_MAX_MISSES early replay stops for this
+    # sequence (each miss costs a second round trip).
+    early_misses: int = 0
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
@@ -61,8 +68,9 @@ class Sequence:
     @property
     def early_ok(self) -> bool:
         """Whether the whole replay may be sent before its last call is checked: not with
-        a sync point, whose value or shape the program needs in the middle."""
-        return not any(self.sync)
+        a sync point, whose value or shape the program needs in the middle, nor once its
+        early replies keep being dropped."""
+        return not any(self.sync) and self.early_misses < EARLY_MAX_MISSES
 
 
 def _refs(tree, out):

@@ -935,7 +935,9 @@ class RemoteSession:
         if at_end and set(alive) <= set(spec.early_keep):
             self._apply_replay(spec, result, response, alive, spec.early_fetch)
             self.stats.early_replays += 1
+            spec.seq.early_misses = 0
             return True
+        spec.seq.early_misses += 1
         if at_end:  # the program holds more than last time: keep that next time
             spec.seq.early_keep = sorted(set(spec.early_keep) | set(alive))
         self._releases.extend(h for _, _, h in result["replay"]["kept"])
