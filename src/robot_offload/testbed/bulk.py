@@ -25,8 +25,9 @@ from robot_offload.testbed._common import with_package_path
 CHUNK = 64 * 1024
 
 
-def receive(host, *, port=0, warmup_s=0.3, timeout_s=30.0, out=sys.stdout):
-    """Accept one sender and return {"bytes", "seconds", "bps", "total_bytes"}."""
+def _accept_one(host, port, timeout_s, out):
+    """Listen on host:port (0: any free port), print ``READY <port>`` for the parent, and
+    return the first connection (socket.timeout after ``timeout_s``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as lsock:
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         lsock.bind((host, port))
@@ -34,6 +35,12 @@ def receive(host, *, port=0, warmup_s=0.3, timeout_s=30.0, out=sys.stdout):
         lsock.settimeout(timeout_s)
         print(f"READY {lsock.getsockname()[1]}", file=out, flush=True)
         conn, _ = lsock.accept()
+    return conn
+
+
+def receive(host, *, port=0, warmup_s=0.3, timeout_s=30.0, out=sys.stdout):
+    """Accept one sender and return {"bytes", "seconds", "bps", "total_bytes"}."""
+    conn = _accept_one(host, port, timeout_s, out)
     deadline = time.monotonic() + timeout_s
     total = 0
     t_first = t_mark = t_last = None
@@ -78,13 +85,7 @@ def send(host, port, *, duration_s=2.5, connect_timeout_s=5.0):
 
 def echo(host, *, port=0, timeout_s=30.0, out=sys.stdout):
     """Accept one client and send back every byte it sends, until it closes."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as lsock:
-        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        lsock.bind((host, port))
-        lsock.listen(1)
-        lsock.settimeout(timeout_s)
-        print(f"READY {lsock.getsockname()[1]}", file=out, flush=True)
-        conn, _ = lsock.accept()
+    conn = _accept_one(host, port, timeout_s, out)
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(timeout_s)
