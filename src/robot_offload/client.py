@@ -55,6 +55,9 @@ class ClientConfig:
     profile_refresh: bool = False   # measure the profile again instead of loading it
     partition_codecs: Sequence[str] = ()        # activation codecs to consider; () = default set
     partition_compressions: Sequence[str] = ()  # compressions to consider; () = default set
+    # record_replay: send the replay once the inputs are known and check the calls while it
+    # runs (the paper's order); false: send it after the last call is checked
+    early_replay: bool = True
 
     def validate(self) -> "ClientConfig":
         get_spec(self.model)

@@ -133,6 +133,34 @@ def test_registry_models_record_replay_equals_local(shared_server, model):
         client.close()
 
 
+@pytest.mark.parametrize("early_replay", [True, False])
+def test_client_early_replay_parameter(shared_server, early_replay):
+    """~early_replay reaches the client's record_replay session; both orders give local's
+    outputs in one round trip per replayed frame."""
+    spec = get_spec("resnet18")
+    cfg = ClientConfig(model="resnet18", mode="record_replay", input_size=spec.test_input_size,
+                       load_timeout_s=120, timeout_s=120, early_replay=early_replay)
+    client = OffloadClient(cfg, InProcessTransport(shared_server))
+    assert client.connect(), client.link.last_error
+    try:
+        trips = []
+        for i in range(6):
+            x = client.spec.example_input(client.input_size, seed=i)
+            client.set_mode("record_replay")
+            y, stats = client.infer(x)
+            assert stats.executed_mode == "record_replay", stats.fallback_reason
+            trips.append(stats.round_trips)
+            client.set_mode("local")
+            ref, _ = client.infer(x)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        session = client._backends["record_replay"].session
+        assert session.early_replay == early_replay
+        assert (session.stats.early_replays >= 2) == early_replay
+        assert trips[-2:] == [1, 1], trips
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("model", ["resnet18", "kapao_l", "agrnav"])
 def test_registry_models_transparent_equals_local(shared_server, model):
     client = _client(shared_server, model, "transparent")

@@ -27,7 +27,8 @@ class _OperatorBackend(Backend):
         super().__init__(ctx)
         self.session = RemoteSession(self._call, mode=self.session_mode,
                                      client_id=ctx.link.client_id + "-" + self.name,
-                                     output_codec=ctx.config.output_codec)
+                                     output_codec=ctx.config.output_codec,
+                                     early_replay=ctx.config.early_replay)
 
     def _call(self, request, timeout_s):
         return self.ctx.link.transport.call("compute", request, timeout_s)
