@@ -79,9 +79,11 @@ def agreement(backend: LayerPartitionBackend, st, metas, plans, n: int) -> List[
     return out
 
 
-def model_report(name: str, size, agreement_inputs: int, server_speedup: float) -> str:
+def model_report(name: str, size, agreement_inputs: int, server_speedup: float,
+                 error_tolerance: float = ClientConfig.error_tolerance) -> str:
     spec = get_spec(name)
-    cfg = ClientConfig(model=name, mode="layer_partition", input_size=size, server_speedup=server_speedup)
+    cfg = ClientConfig(model=name, mode="layer_partition", input_size=size, server_speedup=server_speedup,
+                       error_tolerance=error_tolerance)
     model = spec.build()
     backend = LayerPartitionBackend(BackendContext(spec, model, None, cfg))
     x = spec.example_input(size, seed=0)
@@ -90,7 +92,8 @@ def model_report(name: str, size, agreement_inputs: int, server_speedup: float) 
     lp_plans = [st.table.lookup(b) for b in BANDWIDTHS]
     md = [f"## {name} {list(st.profile.input_shape)}\n",
           f"robot forward {1e3 * st.profile.forward_s:.0f} ms (profile), {len(st.profile.cuts)} cuts, "
-          f"{len(st.profile.candidates)} candidates; planner server_speedup {server_speedup}\n",
+          f"{len(st.profile.candidates)} candidates; planner server_speedup {server_speedup}, "
+          f"error_tolerance {error_tolerance:g}\n",
           "### Packing: raw bytes / wire bytes per candidate cut and encoding (profiled output error)\n",
           packing_table(st.profile, {p.cut_id for p in lp_plans}), "",
           "layer_partition plans: " + "; ".join(f"{b / 1e6:g} Mbit/s: {p.describe()}"
@@ -130,6 +133,8 @@ def main(argv=None):
     ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W")
     ap.add_argument("--agreement-inputs", type=int, default=200)
     ap.add_argument("--server-speedup", type=float, default=ClientConfig.server_speedup)
+    ap.add_argument("--error-tolerance", type=float, default=ClientConfig.error_tolerance,
+                    help="the planner's output-error budget (offload_client ~error_tolerance)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     sizes = {}
@@ -140,7 +145,7 @@ def main(argv=None):
            "robot_offload.bench.partition_report " + " ".join(argv or sys.argv[1:]) + "`\n\n"
     for name in args.models:
         section = model_report(name, sizes.get(name) or get_spec(name).input_size,
-                               args.agreement_inputs, args.server_speedup)
+                               args.agreement_inputs, args.server_speedup, args.error_tolerance)
         text += section
         print(section, flush=True)
     if args.out:
