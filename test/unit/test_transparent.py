@@ -95,13 +95,25 @@ def test_control_flow_divergence_detected_never_wrong(program_runs):
 
 # -- registry models through the client's modes --------------------------------------------
 
-def _client(server, model, mode):
+def _client(server, model, mode, **config):
     spec = get_spec(model)
     cfg = ClientConfig(model=model, mode=mode, input_size=spec.test_input_size,
-                       load_timeout_s=120, timeout_s=120)
+                       load_timeout_s=120, timeout_s=120, **config)
     client = OffloadClient(cfg, InProcessTransport(server))
     assert client.connect(), client.link.last_error
     return client
+
+
+def _offloaded_equals_local(client, mode, x):
+    """Run frame ``x`` in ``mode`` (it must not fall back) and locally; assert the outputs
+    are equal; return the offloaded frame's stats."""
+    client.set_mode(mode)
+    y, stats = client.infer(x)
+    assert stats.executed_mode == mode, stats.fallback_reason
+    client.set_mode("local")
+    ref, _ = client.infer(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    return stats
 
 
 @pytest.mark.parametrize("model", names())
@@ -111,13 +123,8 @@ def test_registry_models_record_replay_equals_local(shared_server, model):
         phases = []
         for i in range(5):
             x = client.spec.example_input(client.input_size, seed=i)
-            client.set_mode("record_replay")
-            y, stats = client.infer(x)
-            assert stats.executed_mode == "record_replay", stats.fallback_reason
+            stats = _offloaded_equals_local(client, "record_replay", x)
             phases.append((stats.phase, stats.round_trips, stats.bytes_up))
-            client.set_mode("local")
-            ref, _ = client.infer(x)
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
         if model in NOT_STATIC:
             assert all(p == "recording" for p, _, _ in phases), phases
         else:
@@ -137,22 +144,12 @@ def test_registry_models_record_replay_equals_local(shared_server, model):
 def test_client_early_replay_parameter(shared_server, early_replay):
     """~early_replay reaches the client's record_replay session; both orders give local's
     outputs in one round trip per replayed frame."""
-    spec = get_spec("resnet18")
-    cfg = ClientConfig(model="resnet18", mode="record_replay", input_size=spec.test_input_size,
-                       load_timeout_s=120, timeout_s=120, early_replay=early_replay)
-    client = OffloadClient(cfg, InProcessTransport(shared_server))
-    assert client.connect(), client.link.last_error
+    client = _client(shared_server, "resnet18", "record_replay", early_replay=early_replay)
     try:
         trips = []
         for i in range(6):
             x = client.spec.example_input(client.input_size, seed=i)
-            client.set_mode("record_replay")
-            y, stats = client.infer(x)
-            assert stats.executed_mode == "record_replay", stats.fallback_reason
-            trips.append(stats.round_trips)
-            client.set_mode("local")
-            ref, _ = client.infer(x)
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            trips.append(_offloaded_equals_local(client, "record_replay", x).round_trips)
         session = client._backends["record_replay"].session
         assert session.early_replay == early_replay
         assert (session.stats.early_replays >= 2) == early_replay
@@ -165,13 +162,10 @@ def test_client_early_replay_parameter(shared_server, early_replay):
 def test_registry_models_transparent_equals_local(shared_server, model):
     client = _client(shared_server, model, "transparent")
     try:
-        x = client.spec.example_input(client.input_size, seed=4)
-        y, stats = client.infer(x)
-        assert stats.executed_mode == "transparent" and stats.phase == "transparent"
+        stats = _offloaded_equals_local(client, "transparent",
+                                        client.spec.example_input(client.input_size, seed=4))
+        assert stats.phase == "transparent"
         assert stats.round_trips > 20
-        client.set_mode("local")
-        ref, _ = client.infer(x)
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     finally:
         client.close()
 

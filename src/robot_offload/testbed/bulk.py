@@ -14,7 +14,6 @@ messages over one TCP connection).
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -364,14 +364,14 @@ class Testbed:
         self.netem = self._use_netem and self._probe_netem()
 
     def _start_relay(self, timeout_s=10.0):
-        """Start the delay relay (its own process, see delay_link) and wait for its TUN
-        devices."""
+        """Start the delay relay (its own process, see delay_link) with no delay and wait
+        for its TUN devices; ``open`` sets the delay asked for, as on a veth link."""
         # -c, not -m: "-m robot_offload.testbed.delay_link" would run a module the package
         # has already imported (runpy warns that it may behave unpredictably).
         self._relay = subprocess.Popen(
             [sys.executable, "-c", "import sys; from robot_offload.testbed.delay_link import "
              "main; sys.exit(main(sys.argv[1:]))", self._tun_host_names["robot"],
-             self._tun_host_names["server"], "--delay-s", repr(self._want_delay)],
+             self._tun_host_names["server"]],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, **with_package_path()}, start_new_session=True)
         ready, _, _ = select.select([self._relay.stdout], [], [], timeout_s)
@@ -379,7 +379,6 @@ class Testbed:
         if line.strip() != b"ready":
             raise TestbedError(f"delay relay did not start (exit code {self._relay.poll()}, "
                                f"said {line!r}); TUN needs /dev/net/tun and root")
-        self.delay_s = self._want_delay
 
     def _stop_relay(self):
         """Close the relay's input (it exits and its TUN devices go) and wait for it."""

@@ -938,8 +938,8 @@ class RemoteSession:
             spec.seq.early_misses = 0
             return True
         spec.seq.early_misses += 1
-        if at_end:  # the program holds more than last time: keep that next time
-            spec.seq.early_keep = sorted(set(spec.early_keep) | set(alive))
+        # (At the end of the sequence, the replay _flush sends next records what the
+        # program holds as the sequence's early_keep.)
         self._releases.extend(h for _, _, h in result["replay"]["kept"])
         spec.sent = 0
         spec.inputs_sent.clear()
