@@ -98,11 +98,12 @@ def test_monitor_follows_rate_change_and_energy_in_stats(tmp_path):
 
 
 def test_bench_quick_writes_report(tmp_path):
-    """The --quick profile (fewer frames): the table, CSV, plots, predictor evaluation and
-    the physical-limit check exist and say what they measured."""
+    """The --quick profile (fewer frames, modes interleaved): the table, CSV, plots,
+    predictor evaluation and the physical-limit check exist and say what they measured,
+    and the modes took turns frame by frame."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "robot_offload.bench", "--quick", "--frames", "3", "--warmup", "2",
-           "--models", "resnet18", "--out", str(out)]
+           "--models", "resnet18", "--interleave", "--out", str(out)]
     if os.geteuid() != 0:
         cmd.append("--loopback")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -114,6 +115,12 @@ def test_bench_quick_writes_report(tmp_path):
     rows = list(csv.DictReader(open(out / "frames.csv")))
     assert len(rows) == 3 * 2 * 2 and {r["mode_asked"] for r in rows} == {"local", "full_offload"}
     assert all(r["lost"] == "False" for r in rows)
+    assert {r["executed_mode"] for r in rows if r["mode_asked"] == "full_offload"} == {"full_offload"}
+    assert "modes interleaved" in report
+    for trace in ("const50M", "outdoor"):
+        # publication order: local 0, full_offload 0, local 1, full_offload 1, ...
+        order = sorted((float(r["t_s"]), int(r["frame"]), r["mode_asked"]) for r in rows if r["trace"] == trace)
+        assert [(f, m) for _, f, m in order] == [(f, m) for f in range(3) for m in ("local", "full_offload")]
     for r in rows:
         if r["mode_asked"] == "full_offload" and r["trace"] == "const50M":
             assert float(r["latency_s"]) >= int(r["bytes_up"]) * 8 / 50e6

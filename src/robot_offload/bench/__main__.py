@@ -39,6 +39,10 @@ def main(argv=None):
     ap.add_argument("--delay-ms", type=float, default=0.0,
                     help="one-way delay added to each direction (ms; RTT grows by twice this); "
                          "uses TUN devices and a user-space relay, as this kernel has no netem")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the modes in turn frame by frame (one segment per trace) rather "
+                         "than one after the other: on a shared machine whose speed drifts, "
+                         "every mode's frame i then meets the same load and trace point")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     profile = dict(QUICK if args.quick else FULL)
@@ -66,7 +70,7 @@ def main(argv=None):
 
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
-                      delay_ms=args.delay_ms,
+                      delay_ms=args.delay_ms, interleave=args.interleave,
                       progress=progress, **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()

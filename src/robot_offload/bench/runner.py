@@ -4,7 +4,9 @@ Per model: roscore and offload_server (server.launch) in the server namespace; t
 side (robot.launch: offload_client, bandwidth_monitor, power_logger) in the robot
 namespace under a CPU quota; then per trace and mode a frame driver
 (:mod:`robot_offload.ros.bench_driver`) that switches the mode, warms up, and runs the same
-frames closed-loop while the trace replays from its start. Without root the same runs go
+frames closed-loop while the trace replays from its start. With ``interleave`` there is one
+driver per trace that warms every mode up and then runs the modes in turn frame by frame,
+so that drift in the shared machine's speed hits every mode alike. Without root the same runs go
 over loopback, unshaped, and every output says so.
 """
 
@@ -60,6 +62,8 @@ class BenchConfig:
     delay_ms: float = 0.0            # one-way delay added to each direction (ms); > 0 joins
                                      # the namespaces with TUN devices and a delay relay
     progress: Optional[object] = None  # a callable(str) told after every segment
+    interleave: bool = False         # modes take turns frame by frame within one segment per
+                                     # trace (robust to machine drift), not one after the other
 
 
 def _wait_for_line(proc, token: str, timeout_s: float) -> str:
@@ -133,6 +137,9 @@ class BenchRunner:
             else:
                 self.notes.append(f"link shaped with {tb.qdisc_kind} between network namespaces "
                                   f"(netem {'available' if tb.netem else 'missing'})")
+            if cfg.interleave and len(cfg.modes) > 1:
+                self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
+                                  f"each of {', '.join(cfg.modes)} back to back, then frame i + 1")
             if tb.delay_s:
                 self.notes.append(
                     f"added delay: {1e3 * tb.delay_s:g} ms each way, by a user-space relay "
@@ -193,32 +200,36 @@ class BenchRunner:
             for trace in self.traces:
                 if robot.poll() is not None:
                     raise RuntimeError(f"robot.launch for {model} exited; see logs/robot-{model}.log")
-                for mode in cfg.modes:
-                    rows += self._segment(tb, model, spec, trace, mode, robot_env)
+                groups = [list(cfg.modes)] if cfg.interleave else [[m] for m in cfg.modes]
+                for modes in groups:
+                    rows += self._segment(tb, model, spec, trace, modes, robot_env)
         finally:
             _stop(robot)
             _stop(server)
         return rows
 
-    def _segment(self, tb, model, spec, trace, mode, robot_env) -> List[dict]:
+    def _segment(self, tb, model, spec, trace, modes, robot_env) -> List[dict]:
+        """One driver run: ``modes`` (one, or several in turn frame by frame) over ``trace``."""
         cfg = self.cfg
-        out = os.path.join(self.log_dir, f"rows-{model}-{trace.name}-{mode}.jsonl")
+        tag = "-".join(modes)
+        out = os.path.join(self.log_dir, f"rows-{model}-{trace.name}-{tag}.jsonl")
         tb.set_rate(trace.rates_bps[0])
         kind = spec.input_kind
-        argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", mode,
+        argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", *modes,
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
         driver = tb.run("robot", argv, env=robot_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=self._log(f"driver-{model}-{trace.name}-{mode}.log"), text=True)
+                        stderr=self._log(f"driver-{model}-{trace.name}-{tag}.log"), text=True)
+        frames = cfg.frames * len(modes)
         try:
-            _wait_for_line(driver, "READY", 60 + WARMUP_FRAME_TIMEOUT_S * max(1, cfg.warmup))
-            repeat = 1 + int(cfg.frames * 60 / max(trace.duration_s, 1))   # never run out of trace
+            _wait_for_line(driver, "READY", 60 + WARMUP_FRAME_TIMEOUT_S * max(1, cfg.warmup) * len(modes))
+            repeat = 1 + int(frames * 60 / max(trace.duration_s, 1))   # never run out of trace
             with TraceReplayer(tb, trace, repeat=repeat) as replayer:
                 driver.stdin.write("GO\n")
                 driver.stdin.flush()
-                _wait_for_line(driver, "DONE", 60 + cfg.frames * max(30.0, 3 * cfg.timeout_s))
+                _wait_for_line(driver, "DONE", 60 + frames * max(30.0, 3 * cfg.timeout_s))
                 driver.wait(timeout=30)
             self.applied[trace.name] = list(replayer.applied)
         finally:
@@ -227,9 +238,12 @@ class BenchRunner:
         with open(out) as f:
             for line in f:
                 row = json.loads(line)
-                row.update(model=model, trace=trace.name, mode_asked=mode)
+                row.update(model=model, trace=trace.name)
+                row.setdefault("mode_asked", tag)    # bandwidth samples: the segment's modes
                 rows.append(row)
         if cfg.progress:
-            done = [r for r in rows if not r.get("bandwidth") and not r.get("lost")]
-            cfg.progress(f"{model} {trace.name} {mode}: {len(done)} frames")
+            for m in modes:
+                done = [r for r in rows if r["mode_asked"] == m and not r.get("bandwidth")
+                        and not r.get("lost")]
+                cfg.progress(f"{model} {trace.name} {m}: {len(done)} frames")
         return rows

@@ -8,6 +8,13 @@ It sets the mode through the client's ~set_mode service, runs ``--warmup`` frame
 are not recorded, prints ``READY`` and waits for a line on stdin (the runner starts the
 bandwidth trace then) before the measured frames, so that every mode sees the same trace
 from its start and the same frames.
+
+With several modes (``--mode local full_offload layer_partition``) every mode is warmed up
+in turn, and then the modes take turns frame by frame: frame i in each mode, back to back,
+then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
+this puts every mode's frame i under the same load and the same point of the trace, so
+the ratios between modes stay meaningful where one mode after the other would compare
+different moments. Rows carry ``mode_asked``.
 """
 
 import argparse
@@ -87,20 +94,35 @@ class Driver:
                 self._cond.wait(left)
             return self._stats.pop(key)
 
-    def run_frames(self, n, record, t_origin, timeout_s=None):
+    def switch(self, mode):
+        """Set the client's mode (a service call: it applies from the next frame on)."""
+        r = self.set_mode(mode)
+        if r.status.code != Status.OK:
+            raise ValueError(f"set_mode {mode}: {r.status.text}")
+
+    def run_frames(self, n, record, t_origin, timeout_s=None, modes=None):
+        """Frames 0..n-1; with ``modes``, each frame once per mode in turn (the mode is
+        switched before every frame when there is more than one)."""
         rows = []
+        modes = list(modes or [None])
         for i in range(n):
-            key, t_pub = self.publish(i)
-            got = self.wait_stats(key, timeout_s or self.args.frame_timeout_s)
-            if got is None:
-                rows.append({"frame": i, "t_s": t_pub - t_origin, "lost": True})
-                continue
-            t_recv, msg = got
-            row = {"frame": i, "t_s": t_pub - t_origin, "lost": False,
-                   "roundtrip_wall_s": t_recv - t_pub}
-            row.update({f: getattr(msg, f) for f in STATS_FIELDS})
-            rows.append(row)
+            for mode in modes:
+                if mode is not None and len(modes) > 1:
+                    self.switch(mode)
+                rows.append(self.one_frame(i, t_origin, timeout_s, mode))
         return rows if record else []
+
+    def one_frame(self, i, t_origin, timeout_s, mode):
+        key, t_pub = self.publish(i)
+        got = self.wait_stats(key, timeout_s or self.args.frame_timeout_s)
+        row = {"frame": i, "t_s": t_pub - t_origin, "lost": got is None}
+        if mode is not None:
+            row["mode_asked"] = mode
+        if got is not None:
+            t_recv, msg = got
+            row["roundtrip_wall_s"] = t_recv - t_pub
+            row.update({f: getattr(msg, f) for f in STATS_FIELDS})
+        return row
 
 
 def request_rtt_ms(server_ns: str, n: int = 20) -> float:
@@ -129,7 +151,8 @@ def request_rtt_ms(server_ns: str, n: int = 20) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mode", required=True)
+    ap.add_argument("--mode", required=True, nargs="+",
+                    help="one mode, or several to run frame by frame in turn")
     ap.add_argument("--frames", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -151,20 +174,26 @@ def main(argv=None):
     rospy.init_node("bench_driver", anonymous=True, disable_signals=True)
     d = Driver(args)
     d.set_mode.wait_for_service(60)
-    r = d.set_mode(args.mode)
-    if r.status.code != Status.OK:
-        print(f"ERROR set_mode {args.mode}: {r.status.text}", flush=True)
-        return 2
     deadline = time.monotonic() + 30
     while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    d.run_frames(args.warmup, record=False, t_origin=time.monotonic(),
-                 timeout_s=args.warmup_timeout_s or None)
+    try:
+        for mode in args.mode:
+            d.switch(mode)
+            d.run_frames(args.warmup, record=False, t_origin=time.monotonic(),
+                         timeout_s=args.warmup_timeout_s or None)
+    except ValueError as e:
+        print(f"ERROR {e}", flush=True)
+        return 2
     print("READY", flush=True)
     if not args.no_go:
         sys.stdin.readline()
     t_origin = time.monotonic()
-    rows = d.run_frames(args.frames, record=True, t_origin=t_origin)
+    try:
+        rows = d.run_frames(args.frames, record=True, t_origin=t_origin, modes=args.mode)
+    except ValueError as e:
+        print(f"ERROR {e}", flush=True)
+        return 2
     rtt_ms = request_rtt_ms(args.server_ns)
     for row in rows:
         row["request_rtt_ms"] = rtt_ms
