@@ -339,11 +339,15 @@ def test_early_replay_not_used_when_the_program_holds_more():
 
 
 def test_data_dependent_shape_is_a_sync_point():
-    """A boolean mask's output size depends on values: replay stops there, and when the
-    size differs from the record the inference continues op by op, correctly."""
+    """A boolean mask's output size depends on values: a sync point. Once the sequence is
+    known, the early replay runs through it: the server returns the mask's real shape with
+    the whole replay, the robot checks it against the record when the program gets there,
+    and the frame costs one round trip. When the size differs from the record, the early
+    reply is dropped and the inference continues op by op, correctly."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.full((16,), 0.5))
     sess = _session()
+    trips, answered = [], []
     with torch.no_grad():
         for i in range(8):
             # 8 positive products per frame, then 16 from frame 6 on
@@ -352,12 +356,42 @@ def test_data_dependent_shape_is_a_sync_point():
                 h = x * w
                 return (h[h > 0] * 3).sum()
             ref = f(x)
+            before = sess.stats.round_trips
             with sess:
                 y = f(x).cpu()
             torch.testing.assert_close(y, ref)
+            trips.append(sess.stats.round_trips - before)
+            answered.append((sess.stats.early_sync_answers, sess.stats.early_dropped))
     assert sess.stats.sequences_identified >= 1
     assert sess.stats.divergences >= 1
-    assert sess.stats.early_replays == 0   # a sync point: the replay cannot go early
+    # frames 4 and 5: one round trip, the sync point answered from the early reply;
+    # frame 6: the mask's size changed, the early reply is dropped
+    assert trips[4:6] == [1, 1], (trips, answered)
+    assert [a for a, _ in answered[3:6]] == [0, 1, 2], answered
+    assert answered[6][1] == answered[5][1] + 1, answered
+
+
+def test_early_replay_through_a_sync_point_refused_by_the_server():
+    """The early replay runs past a sync point with the record's arguments; when the data
+    make a later operator fail on the server (an index beyond the new size), the request is
+    refused, dropped, and the frame completes correctly as the program goes."""
+    w = nn.Parameter(torch.ones(16))
+    sess = _session()
+    with torch.no_grad():
+        for i in range(7):
+            n = 8 if i < 5 else 3          # positives: 8, then 3 from frame 5 on
+            x = torch.cat([torch.ones(n), -torch.ones(16 - n)])
+            def f(x):
+                h = (x * w)[x * w > 0]     # a sync point (data-dependent size)
+                k = h.shape[0]
+                a, b = h.split([k // 2, k - k // 2])   # the record's sizes fail on 3 values
+                return a.sum() * 2 + b.sum()
+            ref = f(x)
+            with sess:
+                y = f(x).cpu()
+            torch.testing.assert_close(y, ref)
+    assert sess.stats.early_sync_answers >= 1 and sess.stats.early_refused == 1, sess.stats
+    assert sess.stats.divergences >= 1
 
 
 def _ops_request(args, tensors=(), session="s1"):

@@ -37,7 +37,7 @@ from robot_offload.backends.layer_partition import (LayerPartitionBackend, _enco
 from robot_offload.errors import OffloadTimeout
 from robot_offload.partition.graph import INPUT_CUT, Cut
 from robot_offload.partition.loss import (LopPlan, LopTable, Loss, held_from, load_or_solve,
-                                          stripe_seconds, table_key)
+                                          stripe_seconds)
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
 from robot_offload.partition.spatial import Region, SpatialGraph
@@ -82,27 +82,24 @@ class LopBackend(LayerPartitionBackend):
         if ls is None:
             metas, _ = self.graph.record(torch.zeros_like(x))
             ls = _LopState(SpatialGraph(self.graph, metas), None, st.cfg, None)
-            self._solve(ls, st, st.cfg, table_key(st.profile, st.cfg, self.share_steps))
+            self._solve(ls, st, st.cfg)
             self._lop[shape] = ls
         elif ls.cfg != st.cfg and not ls.solving:
             ls.solving = True
-            # the key snapshots the profile's server times, which frames keep updating
-            key = table_key(st.profile, st.cfg, self.share_steps)
-            threading.Thread(target=self._solve, args=(ls, st, st.cfg, key, False),
+            threading.Thread(target=self._solve, args=(ls, st, st.cfg, False),
                              name="lop-replan", daemon=True).start()
         return ls
 
-    def _solve(self, ls: _LopState, st, cfg: PlannerConfig, key: str, save: bool = True) -> None:
-        """Solve (or load) the table for ``cfg``. Re-plans are not saved: their key holds
-        the server times measured so far, which change with every frame, so each would be
-        a new file that no later start looks up."""
+    def _solve(self, ls: _LopState, st, cfg: PlannerConfig, cached: bool = True) -> None:
+        """Solve (or load from the plan cache) the table for ``cfg``. Re-plans go without
+        the cache (``cached=False``, see :func:`load_or_solve`)."""
         try:
             if ls.loss is None or ls.loss.profile is not st.profile:
                 ls.loss = Loss(self.graph, ls.spatial, st.profile, self.share_steps)
             loss = ls.loss
             directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
-            table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps, key=key,
-                                  save=save)
+            table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps,
+                                  cached=cached)
             log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
                      self.ctx.spec.name, table.solve_s)
             ls.table, ls.cfg = table, cfg

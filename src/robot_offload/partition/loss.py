@@ -553,11 +553,14 @@ def table_key(profile: Profile, cfg: PlannerConfig, share_steps: int) -> str:
 
 
 def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerConfig,
-                  share_steps: int = 16, key: Optional[str] = None, save: bool = True) -> LopTable:
-    """The plan table from the cache under ``directory/lop`` or solved (then saved unless
-    not ``save``). ``key``: :func:`table_key`, when the caller took it already (a snapshot
-    of a profile another thread keeps updating)."""
-    key = key or table_key(profile, cfg, share_steps)
+                  share_steps: int = 16, cached: bool = True) -> LopTable:
+    """The plan table from the cache under ``directory/lop`` or solved, then saved there.
+    ``cached=False`` solves without the cache: a re-plan's key would hold the server
+    times measured so far, which change with every frame, so no start would ever look
+    it up again."""
+    if not cached:
+        return LopTable.build(loss_factory(), cfg)
+    key = table_key(profile, cfg, share_steps)
     path = os.path.join(os.path.expanduser(directory), "lop", f"{profile.model}-{key}.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -565,8 +568,6 @@ def load_or_solve(directory: str, loss_factory, profile: Profile, cfg: PlannerCo
     except (OSError, ValueError, KeyError, TypeError):
         pass
     table = LopTable.build(loss_factory(), cfg)
-    if not save:
-        return table
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")

@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from robot_offload import codec
 from robot_offload.errors import OffloadError, RemoteError, TransportError
-from robot_offload.protocol import ComputeRequest, raise_for_status
+from robot_offload.protocol import ComputeRequest, StatusCode, raise_for_status
 from robot_offload.transparent import wire
 from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence
 from robot_offload.transparent.server import ENTRY, content_digest
@@ -160,6 +160,8 @@ class SessionStats:
     replays: int = 0
     early_replays: int = 0        # replays sent before the sequence ended, reply used
     early_dropped: int = 0        # early replays whose reply could not be used
+    early_sync_answers: int = 0   # sync points answered from an early reply (no round trip)
+    early_refused: int = 0        # early replays the server refused (counted in early_dropped)
     divergences: int = 0
     sequences_identified: int = 0
     inferences: List[InferenceCount] = field(default_factory=list)
@@ -385,7 +387,6 @@ class RemoteSession:
     # -- transparent: one request per operator -------------------------------------------
     def _transparent(self, func, args, kwargs, record: bool = False):
         uploads: List[tuple] = []          # (tensor, spec dict)
-        rec_refs = {}
 
         def ref(t):
             if isinstance(t, RemoteTensor):
@@ -454,8 +455,7 @@ class RemoteSession:
         self._digests[id(t)] = (weakref.ref(t), _version_of(t), sha)
         return sha
 
-    def _send(self, req_args: dict, uploads: list, fetch_tensors: bool = True,
-              take_releases: bool = True):
+    def _send(self, req_args: dict, uploads: list, take_releases: bool = True):
         """One round trip. Uploads go by digest first (big robot tensors), then by value.
         ``take_releases=False``: the caller put the pending releases in ``req_args`` itself
         (a worker thread must not swap the list the program's thread appends to)."""
@@ -753,7 +753,9 @@ class RemoteSession:
         if self.stats.inferences:
             self.stats.inferences[-1].ops += 1
         if seq.sync[j]:
-            actual = self._flush("a value or data-dependent shape", sync_op=j)
+            actual = self._early_sync_result(spec, j, ret) if spec.early is not None else None
+            if actual is None:
+                actual = self._flush("a value or data-dependent shape", sync_op=j)
             shapes = [(m.get("s"), m.get("d")) for m in _metas_in(actual)]
             if shapes != [(m.get("s"), m.get("d")) for m in _metas_in(ret)]:
                 # The data made the shapes differ from the record: hand out proxies with the
@@ -860,8 +862,10 @@ class RemoteSession:
         result, response = self._send(body, uploads)
         self._apply_replay(spec, result, response, alive, fetch)
         if spec.pos == seq.n_ops and sync_op is None and want is None and spec.sent == spec.pos:
-            # What the program holds at the end: what the next early replay keeps.
-            seq.early_keep = sorted(set(keep) | prefetch)
+            # What the program holds at the end, including outputs handed over at a sync
+            # point before: what the next early replay keeps.
+            held = {key for key, r in spec.proxies.items() if r() is not None}
+            seq.early_keep = sorted(set(keep) | held | prefetch)
         if sync_op is not None:
             return result["replay"]["rets"].get(str(sync_op))
         return None
@@ -874,7 +878,8 @@ class RemoteSession:
 
     def _replay_body(self, spec, upto: int, keep, fetch, sync_op=None):
         """The ``replay`` request for operators ``spec.sent`` .. ``upto``-1 (and its uploads:
-        the fresh inputs not sent yet)."""
+        the fresh inputs not sent yet); ``sync_op``: the operator (or list of operators)
+        whose return values the reply must carry."""
         seq = spec.seq
         uploads: List[tuple] = []
         inputs = []
@@ -888,7 +893,7 @@ class RemoteSession:
             spec.inputs_sent.add(idx)
         body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": upto, "inputs": inputs,
                            "keep": [list(k) for k in keep], "fetch": [list(k) for k in fetch],
-                           "sync": [sync_op] if sync_op is not None else []}}
+                           "sync": [sync_op] if isinstance(sync_op, int) else list(sync_op or [])}}
         if seq.seq_id not in self._defined:
             body["define"] = {"id": seq.seq_id, "ops": seq.ops, "n_inputs": len(seq.input_metas)}
             self._defined.add(seq.seq_id)
@@ -915,7 +920,8 @@ class RemoteSession:
         seq = spec.seq
         spec.early_fetch = sorted(set(map(tuple, seq.prefetch)))
         spec.early_keep = sorted(set(map(tuple, seq.early_keep)) | set(spec.early_fetch))
-        body, uploads = self._replay_body(spec, seq.n_ops, spec.early_keep, spec.early_fetch)
+        body, uploads = self._replay_body(spec, seq.n_ops, spec.early_keep, spec.early_fetch,
+                                          [j for j in seq.sync_ops if j >= spec.pos])
         if self._early_sender is None:
             self._early_sender = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="rr-early-replay")
@@ -928,23 +934,65 @@ class RemoteSession:
         sequence matched, no value or sync result is asked for, and the program holds only
         outputs the reply kept. Otherwise release what it kept and make the next replay
         start from the first operator again (False)."""
-        future, spec.early = spec.early, None
-        result, response = future.result()  # _send's own deadline bounds the wait
+        result, response = self._early_reply(spec)
+        if result is None:
+            return False
         alive = self._alive_proxies(spec)
         at_end = spec.pos == spec.seq.n_ops and want is None and sync_op is None
         if at_end and set(alive) <= set(spec.early_keep):
+            spec.early = None
             self._apply_replay(spec, result, response, alive, spec.early_fetch)
             self.stats.early_replays += 1
             spec.seq.early_misses = 0
             return True
+        self._drop_early(spec, result)
+        return False
+
+    def _early_reply(self, spec):
+        """The early replay's (result, response); (None, None) when the server refused it
+        (the early request is then dropped). A request refused with BAD_REQUEST ran past a
+        sync point into operators the data made invalid (an index beyond a size the record
+        did not foresee); anything else (a lost server, a stale session) is the program's
+        error as for any other request."""
+        try:
+            return spec.early.result()  # _send's own deadline bounds the wait
+        except RemoteError as e:
+            if e.code != StatusCode.BAD_REQUEST:
+                spec.early = None
+                raise
+            log.info("early replay refused (%s); replaying as the program goes", e)
+            self.stats.early_refused += 1
+            self._drop_early(spec, None)
+            return None, None
+
+    def _drop_early(self, spec, result) -> None:
+        """Give up the early reply: release what it kept; the next replay starts from the
+        first operator again. (At the end of the sequence, the replay _flush sends next
+        records what the program holds as the sequence's early_keep.)"""
+        spec.early = None
         spec.seq.early_misses += 1
-        # (At the end of the sequence, the replay _flush sends next records what the
-        # program holds as the sequence's early_keep.)
-        self._releases.extend(h for _, _, h in result["replay"]["kept"])
+        if result is not None:
+            self._releases.extend(h for _, _, h in result["replay"]["kept"])
         spec.sent = 0
         spec.inputs_sent.clear()
         self.stats.early_dropped += 1
-        return False
+
+    def _early_sync_result(self, spec, j: int, ret):
+        """The return value of sync operator ``j`` from the early replay's reply, when its
+        shapes are the recorded ones; else None, with the early reply dropped (the caller
+        replays up to ``j`` as without early replay). The early request ran the whole
+        sequence with the record's arguments; while every later call and sync result
+        matches the record, the program is exactly what the server ran."""
+        result, _ = self._early_reply(spec)
+        if result is None:
+            return None
+        actual = result["replay"]["rets"].get(str(j))
+        recorded = [(m.get("s"), m.get("d")) for m in _metas_in(ret)]
+        if actual is not None and [(m.get("s"), m.get("d")) for m in _metas_in(actual)] == recorded:
+            self.stats.early_sync_answers += 1
+            return actual
+        self._drop_early(spec, result)
+        return None
 
     def _diverge(self, why: str) -> None:
         spec = self._spec
