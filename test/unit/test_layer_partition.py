@@ -6,6 +6,7 @@ and measured drift re-plans."""
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -362,6 +363,54 @@ def test_drift_from_the_profile_replans(shared_server, profile_dir):
         plan = plan_for(st.profile, "input", "raw/none", 10e6, st.cfg)
         backend.run_plan(x, plan, FrameStats(), 120)
         assert st.profile.server["tail_s"]["input"] > 0
+    finally:
+        client.close()
+
+
+class _SlowLink(InProcessTransport):
+    """The in-process server behind a link that adds 80 ms to every call (what the
+    profile's latency model does not know)."""
+
+    def _call(self, method, request, timeout_s):
+        time.sleep(0.08)
+        return super()._call(method, request, timeout_s)
+
+
+def test_measured_choice_overrides_a_wrong_close_call(shared_server, profile_dir):
+    """The profile predicts full offload 10 % faster than local; the link is really 80 ms
+    slower than the model says. The runner-up (local) is timed as a probe, found faster,
+    and serves the bucket, with the offloading plan probed again every probe_every
+    frames. Every frame's outputs equal local's."""
+    spec = get_spec("resnet18")
+    cfg = ClientConfig(model="resnet18", mode="layer_partition", input_size=(32, 32), load_timeout_s=120,
+                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=5)
+    client = OffloadClient(cfg, _SlowLink(shared_server))
+    assert client.connect(), client.link.last_error
+    try:
+        backend = _backend(client)
+        x = spec.example_input(client.input_size, seed=3)
+        ref = _local(client, x)
+        st = backend.state(x)
+        for c in st.profile.cuts:      # full offload or local only
+            c.candidate = c.kind != "inner"
+        st.profile.server.setdefault("tail_s", {})["input"] = 0.001
+        st.profile.forward_s = 10.0
+        st.table = PlanTable(st.profile, st.cfg)
+        offload = st.table.lookup(10e6)
+        assert offload.kind == "input"
+        st.profile.forward_s = 1.1 * offload.prediction.latency_s
+        st.table = PlanTable(st.profile, st.cfg)
+        assert st.table.lookup(10e6).kind == "input" and st.table.runners_up[st.table.index(10e6)].kind == "output"
+        ran = []
+        for _ in range(12):
+            stats = FrameStats()
+            stats.predicted_bandwidth_bps = 10e6
+            y = backend.infer(x, stats, 120)
+            torch.testing.assert_close(y, ref)
+            ran.append((stats.plan.split()[0], stats.extra["partition"]["probe"]))
+        local, full = "cut=output", "cut=input"
+        assert ran[:3] == [(full, False), (local, True), (full, True)], ran
+        assert ran[3:] == [(local, False)] * 5 + [(full, True)] + [(local, False)] * 3, ran
     finally:
         client.close()
 

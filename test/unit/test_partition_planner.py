@@ -12,8 +12,8 @@ from torch import nn
 from robot_offload.errors import ConfigError
 from robot_offload.partition import profile as prof
 from robot_offload.partition.graph import capture
-from robot_offload.partition.planner import (DriftTracker, PlannerConfig, PlanTable,
-                                             bandwidth_buckets, best_plan, options,
+from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, PlannerConfig,
+                                             PlanTable, bandwidth_buckets, best_plan, options,
                                              output_error_bound, predict)
 from robot_offload.partition.profile import CutProfile, Profile, output_error
 
@@ -141,6 +141,40 @@ def test_planner_config_is_validated():
                 dict(buckets=(2e6, 1e6)), dict(error_safety=0.5)):
         with pytest.raises(ConfigError):
             PlannerConfig(**bad).validate()
+
+
+def test_runner_up_is_the_best_plan_at_another_cut():
+    table = PlanTable(_profile(), PlannerConfig())
+    for b, plan, alt in zip(table.buckets, table.plans, table.runners_up):
+        assert alt is not None and alt.cut_id != plan.cut_id
+        assert alt.prediction.latency_s >= plan.prediction.latency_s
+        assert table.lookup(b) is plan and table.plans[table.index(b * 1.01)] is plan
+    assert table.index(0.5 * table.buckets[0]) == 0 and table.index(1e12) == len(table.plans) - 1
+
+
+def test_measured_choice_settles_close_calls_by_measurement():
+    table = PlanTable(_profile(), PlannerConfig())
+    i = table.index(20 * MB)
+    plan, alt = table.plans[i], table.runners_up[i]
+    m = MeasuredChoice(margin=10.0, every=4, window=3, min_samples=2)
+    latency = {plan.cut_id: 0.050, alt.cut_id: 0.020}     # the runner-up is really faster
+    ran = []
+    for _ in range(14):
+        p, probe = m.choose(i, plan, alt)
+        ran.append(("alt" if p is alt else "plan", probe))
+        m.observe(i, p, latency[p.cut_id])
+    # the plan first; the runner-up as a probe (now the faster); the plan's second sample
+    # as a probe; then the faster one, with a probe of the other every 4 frames served
+    assert ran == ([("plan", False), ("alt", True), ("plan", True)] + [("alt", False)] * 4
+                   + [("plan", True)] + [("alt", False)] * 4 + [("plan", True)] + [("alt", False)]), ran
+    assert m.probes == 4 and m.median_s(i, alt) == 0.020 and m.median_s(i, plan) == 0.050
+    # Not a close call (runner-up predicted beyond the margin): the plan, never probed.
+    far = MeasuredChoice(margin=0.0)
+    if alt.prediction.latency_s > plan.prediction.latency_s:
+        assert [far.choose(i, plan, alt) for _ in range(5)] == [(plan, False)] * 5
+    assert far.choose(i, plan, None) == (plan, False)
+    with pytest.raises(ConfigError):
+        MeasuredChoice(window=1, min_samples=2)
 
 
 def test_drift_tracker_replans_after_sustained_drift():

@@ -25,6 +25,11 @@ Measured robot head times and the server's reported tail times are compared with
 profile (DynO's scaling factor); when they drift by more than ``replan_threshold`` the
 plans are rebuilt with the new factors, and the measured server tail times are kept in the
 profile (saved when the backend closes).
+
+Close calls are settled by measurement (:class:`~robot_offload.partition.planner.MeasuredChoice`,
+latency objective, ``probe_every`` > 0): when a bucket's runner-up plan is predicted within
+``probe_margin`` of its plan, both are timed on real frames and the faster one serves the
+bucket, because a plan never times the side it does not run on.
 """
 
 import json
@@ -40,8 +45,8 @@ from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.errors import CodecError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
-from robot_offload.partition.planner import (DriftTracker, Plan, PlannerConfig, PlanTable, admits,
-                                             predict)
+from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, Plan, PlannerConfig,
+                                             PlanTable, admits, predict)
 from robot_offload.partition.profile import (DEFAULT_CODECS, DEFAULT_COMPRESSIONS, Profile,
                                              load_or_build)
 from robot_offload.protocol import ComputeRequest
@@ -55,6 +60,7 @@ class _ShapeState:
     cfg: PlannerConfig
     table: PlanTable
     tracker: DriftTracker
+    measured: Optional[MeasuredChoice] = None   # None: probing off (or the energy objective)
 
 
 @register_backend
@@ -105,8 +111,10 @@ class LayerPartitionBackend(Backend):
                 log.warning("the cached profile names cuts this graph does not have; measuring again")
                 profile = load_or_build(*args, refresh=True, **kw)
             cfg = self.planner_config()
+            measured = (MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every))
+                        if int(c.probe_every) > 0 and cfg.objective == "latency" else None)
             st = _ShapeState(profile, cfg, PlanTable(profile, cfg),
-                             DriftTracker(threshold=c.replan_threshold))
+                             DriftTracker(threshold=c.replan_threshold), measured)
             self._states[shape] = st
         return st
 
@@ -172,11 +180,21 @@ class LayerPartitionBackend(Backend):
 
     # -- inference ------------------------------------------------------------------------
     def infer(self, x, stats, timeout_s):
+        profiled_now = tuple(int(s) for s in x.shape) not in self._states
         st = self.state(x)
         bw = stats.predicted_bandwidth_bps
         if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
             bw = self.ctx.config.bandwidth_bps_default
-        return self.run_plan(x, st.table.lookup(bw), stats, timeout_s, bw)
+        i = st.table.index(bw)
+        plan, probe = st.table.plans[i], False
+        if st.measured is not None:
+            plan, probe = st.measured.choose(i, plan, st.table.runners_up[i])
+        t0 = time.perf_counter()
+        y = self.run_plan(x, plan, stats, timeout_s, bw)
+        if st.measured is not None and not profiled_now:
+            st.measured.observe(i, plan, time.perf_counter() - t0)
+        stats.extra["partition"]["probe"] = probe
+        return y
 
     def run_plan(self, x: torch.Tensor, plan: Plan, stats, timeout_s: float,
                  bandwidth_bps: Optional[float] = None):
