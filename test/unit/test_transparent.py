@@ -121,7 +121,9 @@ def test_registry_models_record_replay_equals_local(shared_server, model):
     client = _client(shared_server, model, "record_replay")
     try:
         phases = []
-        for i in range(5):
+        # RetinaNet: its box decoding builds tensors after its sync points (top-k, score
+        # masks); they are predicted once their content has repeated (two replays)
+        for i in range(7 if model == "retinanet_resnet50_fpn" else 5):
             x = client.spec.example_input(client.input_size, seed=i)
             stats = _offloaded_equals_local(client, "record_replay", x)
             phases.append((stats.phase, stats.round_trips, stats.bytes_up))
@@ -129,8 +131,7 @@ def test_registry_models_record_replay_equals_local(shared_server, model):
             assert all(p == "recording" for p, _, _ in phases), phases
         else:
             assert phases[-1][0] == "replaying", phases
-            limit = 2 if model not in ("retinanet_resnet50_fpn",) else 40   # NMS/top-k sync points
-            assert phases[-1][1] <= limit, phases
+            assert phases[-1][1] <= 2, phases
         # Weights were found on the server by digest: no frame uploads them. (The detectors
         # resize and normalise inside the model, on the robot: their resized image goes up.)
         weight_bytes = sum(p.numel() * p.element_size() for p in client.model.parameters())
@@ -369,6 +370,35 @@ def test_data_dependent_shape_is_a_sync_point():
     assert trips[4:6] == [1, 1], (trips, answered)
     assert [a for a, _ in answered[3:6]] == [0, 1, 2], answered
     assert answered[6][1] == answered[5][1] + 1, answered
+
+
+def test_inputs_built_after_a_sync_point_are_predicted_when_they_repeat():
+    """A program that builds a tensor after a sync point every frame (RetinaNet's anchors):
+    once its content has repeated, the server keeps it and the early replay names it
+    before the program has built it; the robot checks the new one's digest when it comes.
+    One round trip per frame; when the content changes, the early reply is dropped and
+    the frame is still correct."""
+    w = nn.Parameter(torch.full((16,), 0.5))
+    sess = _session()
+    trips = []
+    with torch.no_grad():
+        for i in range(9):
+            x = torch.linspace(-1, 1, 16) + 0.001 * i      # 8 positive products each frame
+            scale = 2.0 if i < 7 else 3.0                    # the built tensor changes at 7
+            def f(x):
+                h = x * w
+                pos = h[h > 0]                               # sync point
+                anchors = torch.linspace(0, 1, 8) * scale    # built on the robot, after it
+                return (pos * anchors).sum()
+            ref = f(x)
+            before = sess.stats.round_trips
+            with sess:
+                y = f(x).cpu()
+            torch.testing.assert_close(y, ref)
+            trips.append(sess.stats.round_trips - before)
+    assert trips[5:7] == [1, 1], trips
+    assert sess.stats.early_replays >= 2 and sess.stats.early_dropped >= 1, sess.stats
+    assert sess.stats.divergences == 0
 
 
 def test_early_replay_through_a_sync_point_refused_by_the_server():

@@ -61,6 +61,9 @@ class Sequence:
     # Early replies dropped in a row; at EARLY_MAX_MISSES early replay stops for this
     # sequence (each miss costs a second round trip).
     early_misses: int = 0
+    # Content digest of each fresh robot input in the last replay (None: too large, or a
+    # proxy): an input whose digest repeats is predicted by the next early replay.
+    input_digests: Dict[int, Optional[str]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.n_ops = len(self.ops)

@@ -50,6 +50,7 @@ sent, so the fallback costs one round trip more and never a wrong result.
 
 import concurrent.futures
 import json
+from collections import OrderedDict
 import logging
 import threading
 import time
@@ -74,6 +75,12 @@ log = logging.getLogger(__name__)
 MODES = ("transparent", "record_replay")
 #: Robot tensors at least this large are offered by content digest before their bytes.
 DIGEST_MIN_BYTES = 64 * 1024
+#: Fresh inputs of a sequence up to this size are compared by content digest between
+#: replays; one whose content repeats (anchors, constants the program builds each frame)
+#: is kept on the server and predicted (see RemoteSession._input_ref).
+STABLE_MAX_BYTES = 4 * 1024 * 1024
+#: At most this many such inputs are kept per session (oldest dropped first).
+STABLE_MAX_INPUTS = 64
 #: Tensor methods that need the values on the robot.
 _MATERIALIZING = frozenset({"numpy", "tolist", "__array__", "__repr__", "__format__", "cpu",
                             "__reduce_ex__", "data_ptr", "untyped_storage", "storage",
@@ -185,6 +192,9 @@ class _Speculation:
         self.early: Optional[concurrent.futures.Future] = None  # the early replay's reply
         self.early_keep: List[tuple] = []                      # outputs it keeps
         self.early_fetch: List[tuple] = []                     # ... and sends back
+        self.predicted: Dict[int, str] = {}    # inputs the early replay took from the server's
+                                               # copy of the previous frame's: index -> digest
+        self.early_stale = False               # a predicted input came out different
 
 
 class RemoteSession:
@@ -233,6 +243,9 @@ class RemoteSession:
         self.session_id = uuid.uuid4().hex[:16]
         self._uploaded: Dict[int, tuple] = {}     # id(tensor) -> (weakref, version, handle)
         self._digests: Dict[int, tuple] = {}      # id(tensor) -> (weakref, version, sha)
+        # digest -> a robot tensor of that content, kept alive so that its upload stays on
+        # the server (stable inputs, see _input_ref)
+        self._stable: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._releases: List[int] = []
         self._spec: Optional[_Speculation] = None
         self._defined = set()
@@ -734,6 +747,12 @@ class RemoteSession:
             raise Mismatch(f"operator {j}: {e}") from None
         for idx, t in bind.items():
             spec.inputs[idx] = t
+            if idx in spec.predicted and not spec.early_stale:
+                d = self._stable_digest(t)
+                if d != spec.predicted[idx]:
+                    # the early replay ran with last frame's content: it cannot be used
+                    spec.early_stale = True
+                    seq.input_digests[idx] = d
         # Answer from the record.
         ret = seq.rets[j]
         out = self._decode_return(func, args, kwargs, ret, from_record=True)
@@ -746,8 +765,9 @@ class RemoteSession:
                 spec.proxies[(j, k)] = weakref.ref(t)
         spec.pos = j + 1
         if (self.early_replay and spec.early is None and spec.sent == 0 and seq.early_ok
-                and seq.early_keep is not None and len(spec.inputs) == len(seq.input_metas)
-                and spec.pos < seq.n_ops):
+                and seq.early_keep is not None and spec.pos < seq.n_ops
+                and all(i in spec.inputs or self._stable_handle(seq, i) is not None
+                        for i in range(len(seq.input_metas)))):
             self._send_early(spec)
         self.stats.ops_replayed += 1
         if self.stats.inferences:
@@ -889,8 +909,18 @@ class RemoteSession:
             if isinstance(t, RemoteTensor):
                 inputs.append([idx, {"h": t.handle}])
             else:
-                inputs.append([idx, self._upload_ref(t, uploads)])
+                inputs.append([idx, self._input_ref(seq, idx, t, uploads)])
             spec.inputs_sent.add(idx)
+        if upto == seq.n_ops:
+            # Inputs the program has not produced yet: an early replay predicts those whose
+            # content repeated (the server still has it); the robot checks them when they come.
+            for idx in range(len(seq.input_metas)):
+                if idx not in spec.inputs and idx not in spec.inputs_sent:
+                    h = self._stable_handle(seq, idx)
+                    if h is not None:
+                        inputs.append([idx, {"h": h}])
+                        spec.inputs_sent.add(idx)
+                        spec.predicted[idx] = seq.input_digests[idx]
         body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": upto, "inputs": inputs,
                            "keep": [list(k) for k in keep], "fetch": [list(k) for k in fetch],
                            "sync": [sync_op] if isinstance(sync_op, int) else list(sync_op or [])}}
@@ -898,6 +928,38 @@ class RemoteSession:
             body["define"] = {"id": seq.seq_id, "ops": seq.ops, "n_inputs": len(seq.input_metas)}
             self._defined.add(seq.seq_id)
         return body, uploads
+
+    def _stable_digest(self, t) -> Optional[str]:
+        if isinstance(t, RemoteTensor) or t.numel() * t.element_size() > STABLE_MAX_BYTES:
+            return None
+        return self._digest(t)
+
+    def _input_ref(self, seq, idx: int, t: torch.Tensor, uploads: list) -> dict:
+        """The reference of fresh input ``idx`` of ``seq`` in a replay request. Its content
+        digest is compared with the previous replay's: content that repeats (RetinaNet's
+        anchors and box-coder constants are rebuilt by the program every frame, after the
+        first sync point) is kept on the server under one robot tensor of that content,
+        uploaded once, so that the next early replay can name it before the program has
+        built it again (:meth:`_stable_handle`)."""
+        d = self._stable_digest(t)
+        stable = d is not None and seq.input_digests.get(idx) == d
+        seq.input_digests[idx] = d
+        if not stable:
+            return self._upload_ref(t, uploads)
+        keeper = self._stable.get(d)
+        if keeper is None:
+            keeper = self._stable[d] = t
+            while len(self._stable) > STABLE_MAX_INPUTS:
+                self._stable.popitem(last=False)   # its upload is released when it dies
+        self._stable.move_to_end(d)
+        return self._upload_ref(keeper, uploads)
+
+    def _stable_handle(self, seq, idx: int) -> Optional[int]:
+        """The server handle of input ``idx``'s content when it repeated in the last two
+        replays and is still kept; else None."""
+        d = seq.input_digests.get(idx)
+        keeper = self._stable.get(d) if d is not None else None
+        return self._cached_handle(keeper) if keeper is not None else None
 
     def _apply_replay(self, spec, result, response, alive: dict, fetch) -> None:
         """Hand the reply's handles and values to the proxies the program holds."""
@@ -939,7 +1001,7 @@ class RemoteSession:
             return False
         alive = self._alive_proxies(spec)
         at_end = spec.pos == spec.seq.n_ops and want is None and sync_op is None
-        if at_end and set(alive) <= set(spec.early_keep):
+        if at_end and set(alive) <= set(spec.early_keep) and not spec.early_stale:
             spec.early = None
             self._apply_replay(spec, result, response, alive, spec.early_fetch)
             self.stats.early_replays += 1
@@ -975,6 +1037,8 @@ class RemoteSession:
             self._releases.extend(h for _, _, h in result["replay"]["kept"])
         spec.sent = 0
         spec.inputs_sent.clear()
+        spec.predicted.clear()
+        spec.early_stale = False
         self.stats.early_dropped += 1
 
     def _early_sync_result(self, spec, j: int, ret):
@@ -985,6 +1049,9 @@ class RemoteSession:
         matches the record, the program is exactly what the server ran."""
         result, _ = self._early_reply(spec)
         if result is None:
+            return None
+        if spec.early_stale:
+            self._drop_early(spec, result)
             return None
         actual = result["replay"]["rets"].get(str(j))
         recorded = [(m.get("s"), m.get("d")) for m in _metas_in(ret)]
