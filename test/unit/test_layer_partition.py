@@ -383,7 +383,8 @@ def test_measured_choice_overrides_a_wrong_close_call(shared_server, profile_dir
     frames. Every frame's outputs equal local's."""
     spec = get_spec("resnet18")
     cfg = ClientConfig(model="resnet18", mode="layer_partition", input_size=(32, 32), load_timeout_s=120,
-                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=5)
+                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=5,
+                       replan_threshold=1e9)   # no drift re-plans: the choice alone
     client = OffloadClient(cfg, _SlowLink(shared_server))
     assert client.connect(), client.link.last_error
     try:

@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import threading
 import time
 
 import pytest
@@ -362,6 +363,66 @@ def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
     finally:
         idp.stop_client()
     assert "forward" not in vars(model)
+
+
+class _SlowLink(InProcessTransport):
+    """The in-process server behind a link that carries one request at a time and adds
+    300 ms to each: a spatial schedule's two requests cost twice a layer partition's one,
+    which LOSS's model of this link (2 ms RTT, overlapped transfers) does not know."""
+
+    def __init__(self, server):
+        super().__init__(server)
+        self._one_at_a_time = threading.Lock()
+
+    def _call(self, method, request, timeout_s):
+        with self._one_at_a_time:
+            time.sleep(0.3)
+            return super()._call(method, request, timeout_s)
+
+
+def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shared_server, profile_dir):
+    """A spatial schedule predicted 10 % faster than the layer partition of the same
+    bandwidth, really slower: both are timed (each first run left out, it sets kernels
+    up), the layer partition serves the bucket, the spatial schedule is probed again every
+    probe_every frames, and every frame equals local."""
+    import dataclasses
+    spec = get_spec("vgg19")
+    cfg = ClientConfig(model="vgg19", mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
+                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=5,
+                       replan_threshold=1e9)
+    client = OffloadClient(cfg, _SlowLink(shared_server))
+    assert client.connect(), client.link.last_error
+    try:
+        backend = _backend(client)
+        x = client.spec.example_input(client.input_size, seed=5)
+        with torch.inference_mode():
+            ref = client.model(x)
+        ls = backend.lop_state(x)
+        st = backend.state(x)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
+        region, p1, p2 = loss.regions[i]
+        from robot_offload.partition.loss import _lop_plan, predict
+        cand = Candidate(region, 0.5, loss.cost(i, 8), p1, p2)
+        spatial = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+        lp = st.table.lookup(20e6)
+        spatial = dataclasses.replace(spatial, latency_s=0.9 * lp.latency_s)
+        ls.table = LopTable((1e6,), [spatial], 0.0)
+        ran = []
+        for _ in range(11):
+            stats = FrameStats()
+            stats.predicted_bandwidth_bps = 20e6
+            y = backend.infer(x, stats, 120)
+            _assert_same_outputs(y, ref, "measured choice")
+            ran.append(("S" if stats.extra["lop"]["spatial"] else "L", stats.extra["lop"]["probe"]))
+        # after the first runs and probes (their order depends on the timings), the layer
+        # partition serves; the spatial schedule runs only as a probe
+        assert sum(r == ("L", False) for r in ran[6:]) >= 4, ran
+        assert all(probe for kind, probe in ran[6:] if kind == "S") and ("S", True) in ran[4:], ran
+        key = ("lop", 0)
+        assert st.measured.median_s(key, lp) < st.measured.median_s(key, spatial)
+    finally:
+        client.close()
 
 
 def test_plan_switching_has_hysteresis():

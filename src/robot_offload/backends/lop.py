@@ -17,7 +17,10 @@ bandwidth changes:
   robot's computation.
 
 Measured robot and server times feed the same drift tracker as layer partitioning, and
-the schedules are solved again when the load factors move.
+the schedules are solved again when the load factors move. A spatial schedule and the
+layer partition of the same bandwidth are timed against each other when their
+predictions are within ``probe_margin`` (layer_partition's measured choice), and the
+faster serves the bucket.
 """
 
 import logging
@@ -69,6 +72,7 @@ class LopBackend(LayerPartitionBackend):
         super().__init__(ctx)
         self._lop: Dict[Tuple[int, ...], _LopState] = {}
         self._regions: Dict[Tuple, Tuple[Region, Cut, Cut]] = {}
+        self._ran: set = set()       # keys of the schedules run at least once
 
     # -- schedules ------------------------------------------------------------------------
     def lop_state(self, x: torch.Tensor) -> _LopState:
@@ -137,9 +141,33 @@ class LopBackend(LayerPartitionBackend):
         bw = stats.predicted_bandwidth_bps
         if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
             bw = self.ctx.config.bandwidth_bps_default
+        profiled_now = tuple(int(s) for s in x.shape) not in self._lop
         ls = self.lop_state(x)
         plan = self._sticky(ls, bw)
-        return self.run_schedule(x, plan, stats, timeout_s, bw)
+        st = self.state(x)
+        if st.measured is None or not plan.spatial:
+            return self.run_schedule(x, plan, stats, timeout_s, bw)
+        # A spatial schedule against the layer partition of the same bandwidth: measured
+        # latency settles the close calls (robot stripes on new slab shapes, a shared
+        # server, passive bandwidth estimates: LOSS's predictions err most here).
+        i = ls.current[1]
+        chosen, probe = st.measured.choose(("lop", i), plan, st.table.lookup(bw))
+        # The first run of a schedule sets up kernels for its slab shapes (and the first
+        # spatial frame has the server record the graph): not what it costs after.
+        warm = not profiled_now and chosen.key in self._ran and (chosen is not plan or ls.prepared)
+        self._ran.add(chosen.key)
+        t0 = time.perf_counter()
+        if chosen is plan:
+            y = self.run_schedule(x, plan, stats, timeout_s, bw)
+        else:
+            y = self.run_plan(x, chosen, stats, timeout_s, bw)
+            stats.plan = "lop:" + stats.plan
+            stats.extra["lop"] = {"schedule": "layer_partition " + chosen.describe(), "spatial": False,
+                                  "predicted_s": chosen.latency_s}
+        if warm:
+            st.measured.observe(("lop", i), chosen, time.perf_counter() - t0)
+        stats.extra["lop"]["probe"] = probe
+        return y
 
     def _sticky(self, ls: "_LopState", bw: float) -> LopPlan:
         """The table's plan for ``bw``, with hysteresis: the plan in use is kept while the

@@ -122,6 +122,15 @@ class Plan:
     def encoding(self) -> str:
         return encoding_key(self.codec, self.compression)
 
+    @property
+    def key(self) -> Tuple[str, str]:
+        return (self.cut_id, self.encoding)
+
+    @property
+    def latency_s(self) -> float:
+        """Predicted latency (s)."""
+        return self.prediction.latency_s
+
     def describe(self) -> str:
         if self.kind == OUTPUT_CUT:
             return f"cut={self.label}"
@@ -336,10 +345,6 @@ class DriftTracker:
         return replace(cfg, robot_load=self.planned["robot"], server_load=self.planned["server"])
 
 
-def plan_key(plan: Plan) -> Tuple[str, str]:
-    return (plan.cut_id, plan.encoding)
-
-
 class MeasuredChoice:
     """Measured latency decides between the planned plan and its runner-up when the
     prediction cannot.
@@ -355,8 +360,10 @@ class MeasuredChoice:
     ``every`` frames of the bucket, and until each has ``min_samples``; between probes the
     bucket serves the one whose median of the last ``window`` measured latencies is lower.
     A probe is a real frame (its outputs are used); it costs at most ``margin`` more than
-    the prediction said, and only on close calls. Measurements are kept per plan (cut and
-    encoding), so they survive re-plans that keep the plan."""
+    the prediction said, and only on close calls. Measurements are kept per plan key (cut
+    and encoding), so they survive re-plans that keep the plan. A plan is anything with a
+    ``key`` and a predicted ``latency_s``: lop uses it between a spatial schedule and the
+    layer partition of the same bucket."""
 
     def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2):
         if not margin >= 0 or every < 1 or window < 1 or not 1 <= min_samples <= window:
@@ -366,15 +373,15 @@ class MeasuredChoice:
         self._since: Dict[int, int] = {}       # bucket -> frames since its last probe
         self.probes = 0
 
-    def close_call(self, plan: Plan, runner_up: Optional[Plan]) -> bool:
+    def close_call(self, plan, runner_up) -> bool:
         return (runner_up is not None
-                and runner_up.prediction.latency_s <= plan.prediction.latency_s * (1 + self.margin))
+                and runner_up.latency_s <= plan.latency_s * (1 + self.margin))
 
-    def median_s(self, bucket: int, plan: Plan) -> Optional[float]:
-        d = self._latency.get((bucket, plan_key(plan)))
+    def median_s(self, bucket: int, plan) -> Optional[float]:
+        d = self._latency.get((bucket, plan.key))
         return statistics.median(d) if d else None
 
-    def choose(self, bucket: int, plan: Plan, runner_up: Optional[Plan]) -> Tuple[Plan, bool]:
+    def choose(self, bucket: int, plan, runner_up) -> Tuple[object, bool]:
         """(the plan to run, whether it is a probe)."""
         if not self.close_call(plan, runner_up):
             return plan, False
@@ -382,7 +389,7 @@ class MeasuredChoice:
         if m_plan is None:
             return plan, False
         best, other = (runner_up, plan) if m_alt is not None and m_alt < m_plan else (plan, runner_up)
-        n_other = len(self._latency.get((bucket, plan_key(other)), ()))
+        n_other = len(self._latency.get((bucket, other.key), ()))
         if n_other < self.min_samples or self._since.get(bucket, 0) >= self.every:
             self._since[bucket] = 0
             self.probes += 1
@@ -390,8 +397,8 @@ class MeasuredChoice:
         self._since[bucket] = self._since.get(bucket, 0) + 1
         return best, False
 
-    def observe(self, bucket: int, plan: Plan, latency_s: float) -> None:
+    def observe(self, bucket: int, plan, latency_s: float) -> None:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
         more than infer, e.g. the one that measured the profile)."""
         if math.isfinite(latency_s) and latency_s >= 0:
-            self._latency.setdefault((bucket, plan_key(plan)), deque(maxlen=self.window)).append(latency_s)
+            self._latency.setdefault((bucket, plan.key), deque(maxlen=self.window)).append(latency_s)
