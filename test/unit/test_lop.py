@@ -155,6 +155,14 @@ def test_operator_classes():
     assert kinds["ceil"] == kinds["cat_2"] == kinds["softmax"] == kinds["mean"] == "global"
 
 
+def _spatial_plan(loss, st, region_index: int, step: int, bw: float = 20e6, encoding: str = "raw/none"):
+    """A spatial schedule of region ``region_index`` with the robot's share ``step`` / 16."""
+    from robot_offload.partition.loss import _lop_plan, predict
+    region, p1, p2 = loss.regions[region_index]
+    cand = Candidate(region, step / 16, loss.cost(region_index, step), p1, p2)
+    return _lop_plan(cand, encoding, predict(st.profile, cand, encoding, bw, st.cfg), bw)
+
+
 def test_every_plan_loss_produces_equals_local(shared_server, profile_dir):
     """Every lop model: each distinct schedule of the lossless table at 5/20/50/100 Mbit/s,
     plus spatial schedules at shares 1/4, 1/2 and 3/4 on the two largest regions."""
@@ -174,11 +182,8 @@ def test_every_plan_loss_produces_equals_local(shared_server, profile_dir):
             loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
             assert loss.regions, f"{model}: no local region between candidate cuts"
             for i in sorted(range(len(loss.regions)), key=lambda i: -len(loss.regions[i][0].nodes))[:2]:
-                region, p1, p2 = loss.regions[i]
                 for step in (4, 8, 12):
-                    cand = Candidate(region, step / 16, loss.cost(i, step), p1, p2)
-                    from robot_offload.partition.loss import _lop_plan, predict
-                    p = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+                    p = _spatial_plan(loss, st, i, step)
                     plans.setdefault(p.key, p)
             assert any(p.spatial for p in plans.values())
             for p in plans.values():
@@ -401,10 +406,7 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
         st = backend.state(x)
         loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
-        region, p1, p2 = loss.regions[i]
-        from robot_offload.partition.loss import _lop_plan, predict
-        cand = Candidate(region, 0.5, loss.cost(i, 8), p1, p2)
-        spatial = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+        spatial = _spatial_plan(loss, st, i, 8)
         lp = st.table.lookup(20e6)
         spatial = dataclasses.replace(spatial, latency_s=0.9 * lp.latency_s)
         ls.table = LopTable((1e6,), [spatial], 0.0)

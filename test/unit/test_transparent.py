@@ -339,6 +339,17 @@ def test_early_replay_not_used_when_the_program_holds_more():
     assert sess.stats.divergences == 0
 
 
+def _frame(sess, f, x) -> int:
+    """Run ``f(x)`` plainly and under ``sess``; assert the same output; return the round
+    trips the intercepted frame took."""
+    ref = f(x)
+    before = sess.stats.round_trips
+    with sess:
+        y = f(x).cpu()
+    torch.testing.assert_close(y, ref)
+    return sess.stats.round_trips - before
+
+
 def test_data_dependent_shape_is_a_sync_point():
     """A boolean mask's output size depends on values: a sync point. Once the sequence is
     known, the early replay runs through it: the server returns the mask's real shape with
@@ -356,12 +367,7 @@ def test_data_dependent_shape_is_a_sync_point():
             def f(x):
                 h = x * w
                 return (h[h > 0] * 3).sum()
-            ref = f(x)
-            before = sess.stats.round_trips
-            with sess:
-                y = f(x).cpu()
-            torch.testing.assert_close(y, ref)
-            trips.append(sess.stats.round_trips - before)
+            trips.append(_frame(sess, f, x))
             answered.append((sess.stats.early_sync_answers, sess.stats.early_dropped))
     assert sess.stats.sequences_identified >= 1
     assert sess.stats.divergences >= 1
@@ -390,12 +396,7 @@ def test_inputs_built_after_a_sync_point_are_predicted_when_they_repeat():
                 pos = h[h > 0]                               # sync point
                 anchors = torch.linspace(0, 1, 8) * scale    # built on the robot, after it
                 return (pos * anchors).sum()
-            ref = f(x)
-            before = sess.stats.round_trips
-            with sess:
-                y = f(x).cpu()
-            torch.testing.assert_close(y, ref)
-            trips.append(sess.stats.round_trips - before)
+            trips.append(_frame(sess, f, x))
     assert trips[5:7] == [1, 1], trips
     assert sess.stats.early_replays >= 2 and sess.stats.early_dropped >= 1, sess.stats
     assert sess.stats.divergences == 0
@@ -416,10 +417,7 @@ def test_early_replay_through_a_sync_point_refused_by_the_server():
                 k = h.shape[0]
                 a, b = h.split([k // 2, k - k // 2])   # the record's sizes fail on 3 values
                 return a.sum() * 2 + b.sum()
-            ref = f(x)
-            with sess:
-                y = f(x).cpu()
-            torch.testing.assert_close(y, ref)
+            _frame(sess, f, x)
     assert sess.stats.early_sync_answers >= 1 and sess.stats.early_refused == 1, sess.stats
     assert sess.stats.divergences >= 1
 
