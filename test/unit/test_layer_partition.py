@@ -18,7 +18,7 @@ from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec, names
 from robot_offload.partition.executor import partition_tail
 from robot_offload.partition.graph import capture
-from robot_offload.partition.planner import PlanTable, options, plan_for
+from robot_offload.partition.planner import PlanTable, options, plan_for, server_time
 from robot_offload.partition.profile import output_error, profile_path
 from robot_offload.protocol import ComputeRequest, StatusCode
 from robot_offload.server import LoadedModel, RequestRejected
@@ -337,6 +337,26 @@ def test_profile_is_cached_and_refreshed_on_request(shared_server, tmp_path):
             json.dump(d, f)
         rebuilt = _backend(client).state(x).profile
         assert rebuilt.created > latest.created
+    finally:
+        client.close()
+
+
+def test_saved_server_times_start_the_server_load_factor(shared_server, tmp_path):
+    """Server tail times saved with a profile set the next run's server load factor; per
+    cut, the planner uses only times measured in this run (a saved one may be from another
+    load: a cut timed under load would otherwise keep that time until chosen again)."""
+    client = _client(shared_server, "resnet18", str(tmp_path), size=(64, 64), partition_codecs=("raw",))
+    try:
+        x = client.spec.example_input(client.input_size)
+        st = _backend(client).state(x)
+        inp = st.profile.cut("input")
+        speedup = st.cfg.server_speedup
+        st.profile.record_server_tail("input", 3.0 * inp.tail_s / speedup, device=client.link.device)
+        st.profile.save(str(tmp_path))
+        st2 = _backend(client).state(x)
+        assert st2.profile.created == st.profile.created and st2.profile.fresh_tail_s == {}
+        assert st2.cfg.server_load == pytest.approx(3.0) and st2.tracker.planned["server"] == pytest.approx(3.0)
+        assert server_time(st2.profile, st2.profile.cut("input"), st2.cfg) == pytest.approx(3.0 * inp.tail_s / speedup)
     finally:
         client.close()
 

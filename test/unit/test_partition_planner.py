@@ -301,8 +301,17 @@ def test_profile_json_round_trip_and_server_times(small):
     assert p.server["tail_s"]["input"] == pytest.approx(0.015)
     q = Profile.from_json(p.to_json())
     assert q.to_json() == p.to_json() and q.cut("output").kind == "output"
+    # Saved server times seed the server's load factor; per cut the planner uses only
+    # times measured since loading (a saved time may be from another load).
+    t_in = q.cut("input").tail_s
+    assert q.fresh_tail_s == {} and q.server_factor(10.0, min_s=0) == pytest.approx(0.015 / (t_in / 10))
+    assert q.server_factor(10.0, device="cpu", min_s=0) is None
+    cfg = PlannerConfig(server_speedup=10.0)
+    assert predict(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(t_in / 10)
+    q.record_server_tail("input", 0.004, device="cuda:0")
+    assert predict(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(0.004)
     p.record_server_tail("input", 0.5, device="cpu")           # another server: start over
-    assert p.server == {"device": "cpu", "tail_s": {"input": 0.5}}
+    assert p.server == {"device": "cpu", "tail_s": {"input": 0.5}} and p.fresh_tail_s == {"input": 0.5}
     with pytest.raises(ConfigError):
         q.cut("nope")
     for bad in ('{"version": 1}', "[]", '{"version": 1, "cuts": [{"id": 1}]}'):

@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -111,12 +111,20 @@ class LayerPartitionBackend(Backend):
                 log.warning("the cached profile names cuts this graph does not have; measuring again")
                 profile = load_or_build(*args, refresh=True, **kw)
             cfg = self.planner_config()
+            tracker = DriftTracker(threshold=c.replan_threshold)
+            factor = profile.server_factor(cfg.server_speedup, device=self._device())
+            if factor is not None:
+                cfg = replace(cfg, server_load=factor)
+                tracker.assume("server", factor)
             measured = (MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every))
                         if int(c.probe_every) > 0 and cfg.objective == "latency" else None)
-            st = _ShapeState(profile, cfg, PlanTable(profile, cfg),
-                             DriftTracker(threshold=c.replan_threshold), measured)
+            st = _ShapeState(profile, cfg, PlanTable(profile, cfg), tracker, measured)
             self._states[shape] = st
         return st
+
+    def _device(self) -> str:
+        link = self.ctx.link
+        return getattr(link, "device", "") or "" if link is not None else ""
 
     def _cuts_exist(self, profile: Profile) -> bool:
         try:

@@ -179,7 +179,11 @@ def admits(cfg: PlannerConfig, error: float) -> bool:
 
 
 def server_time(profile: Profile, cut: CutProfile, cfg: PlannerConfig) -> float:
-    measured = profile.server.get("tail_s", {}).get(cut.id)
+    """The server's time for ``cut``'s tail: measured in this run if it was, else the
+    robot's tail time / ``server_speedup`` x ``server_load``. (Times saved by an earlier
+    run are not used per cut: a cut measured under another load would keep that time until
+    chosen again; they seed ``server_load`` instead, see Profile.server_factor.)"""
+    measured = profile.fresh_tail_s.get(cut.id)
     if measured is not None:
         return measured
     return cut.tail_s / cfg.server_speedup * cfg.server_load
@@ -334,6 +338,10 @@ class DriftTracker:
 
     def drifted(self, side: str) -> bool:
         return abs(self.ratio[side] / self.planned[side] - 1.0) > self.threshold
+
+    def assume(self, side: str, factor: float) -> None:
+        """Start ``side`` at ``factor`` (plans are being made with it)."""
+        self.ratio[side] = self.planned[side] = factor
 
     def accept(self) -> Dict[str, float]:
         """The plans are being rebuilt with the current ratios: remember them."""

@@ -214,6 +214,11 @@ class Profile:
 
     def __post_init__(self):
         self._by_id = {c.id: c for c in self.cuts}
+        #: server tail times measured since this object was made (not saved apart from
+        #: ``server``): the planner uses these per cut; the saved ones only seed the
+        #: server's load factor (:meth:`server_factor`), since the server's load when they
+        #: were measured is not its load now
+        self.fresh_tail_s: Dict[str, float] = {}
 
     def cut(self, cut_id: str) -> CutProfile:
         try:
@@ -238,8 +243,24 @@ class Profile:
         """Fold one measured server tail time into the profile (exponential average)."""
         if device and device != self.server.get("device"):
             self.server = {"device": device, "tail_s": {}}
-        old = self.server["tail_s"].get(cut_id)
-        self.server["tail_s"][cut_id] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+            self.fresh_tail_s = {}
+        for table in (self.server["tail_s"], self.fresh_tail_s):
+            old = table.get(cut_id)
+            table[cut_id] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+
+    def server_factor(self, server_speedup: float, device: str = "", min_s: float = 1e-3) -> Optional[float]:
+        """The server's load factor implied by the saved server tail times (median over
+        cuts of saved time / (robot tail time / ``server_speedup``)), or None without any
+        (or when they were measured on another ``device``). It starts the planner where
+        the last run left it, instead of at ``server_speedup``'s guess."""
+        if device and device != self.server.get("device"):
+            return None
+        ratios = []
+        for cut_id, t in self.server.get("tail_s", {}).items():
+            c = self._by_id.get(cut_id)
+            if c is not None and c.tail_s > min_s and t > 0:
+                ratios.append(t / (c.tail_s / server_speedup))
+        return float(statistics.median(ratios)) if ratios else None
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> str:
