@@ -143,11 +143,14 @@ def test_planner_config_is_validated():
             PlannerConfig(**bad).validate()
 
 
-def test_runner_up_is_the_best_plan_at_another_cut():
+def test_alternatives_are_another_cut_local_and_full_offload():
     table = PlanTable(_profile(), PlannerConfig())
-    for b, plan, alt in zip(table.buckets, table.plans, table.runners_up):
-        assert alt is not None and alt.cut_id != plan.cut_id
-        assert alt.prediction.latency_s >= plan.prediction.latency_s
+    for b, plan, alts in zip(table.buckets, table.plans, table.alternatives):
+        assert alts and all(a.cut_id != plan.cut_id for a in alts)
+        assert len({a.key for a in alts}) == len(alts)
+        assert all(a.latency_s >= plan.latency_s for a in alts)
+        kinds = {a.kind for a in alts}
+        assert (plan.kind == "output") != ("output" in kinds) and (plan.kind == "input") != ("input" in kinds)
         assert table.lookup(b) is plan and table.plans[table.index(b * 1.01)] is plan
     assert table.index(0.5 * table.buckets[0]) == 0 and table.index(1e12) == len(table.plans) - 1
 
@@ -155,24 +158,39 @@ def test_runner_up_is_the_best_plan_at_another_cut():
 def test_measured_choice_settles_close_calls_by_measurement():
     table = PlanTable(_profile(), PlannerConfig())
     i = table.index(20 * MB)
-    plan, alt = table.plans[i], table.runners_up[i]
+    plan, alt = table.plans[i], table.alternatives[i][0]
     m = MeasuredChoice(margin=10.0, every=4, window=3, min_samples=2)
-    latency = {plan.cut_id: 0.050, alt.cut_id: 0.020}     # the runner-up is really faster
+    latency = {plan.cut_id: 0.050, alt.cut_id: 0.020}     # the alternative is really faster
     ran = []
     for _ in range(14):
-        p, probe = m.choose(i, plan, alt)
+        p, probe = m.choose(i, plan, [alt])
         ran.append(("alt" if p is alt else "plan", probe))
         m.observe(i, p, latency[p.cut_id])
-    # the plan first; the runner-up as a probe (now the faster); the plan's second sample
-    # as a probe; then the faster one, with a probe of the other every 4 frames served
+    # the plan first; the alternative as a probe (now the faster); the plan's second
+    # sample as a probe; then the faster one, with a probe of the other every 4 frames
     assert ran == ([("plan", False), ("alt", True), ("plan", True)] + [("alt", False)] * 4
                    + [("plan", True)] + [("alt", False)] * 4 + [("plan", True)] + [("alt", False)]), ran
     assert m.probes == 4 and m.median_s(i, alt) == 0.020 and m.median_s(i, plan) == 0.050
+    # Several alternatives: each is timed, the fastest serves, periodic probes take turns.
+    j = table.index(5 * MB)
+    plan2, alts = table.plans[j], table.alternatives[j]
+    assert len(alts) >= 2
+    truth = {a.key: 0.030 + 0.010 * k for k, a in enumerate(alts)}
+    truth[plan2.key] = 0.100
+    m2 = MeasuredChoice(margin=1e9, every=3, window=3, min_samples=1)
+    served = []
+    for _ in range(20):
+        p, probe = m2.choose(j, plan2, alts)
+        served.append((p.key, probe))
+        m2.observe(j, p, truth[p.key])
+    assert all(m2.median_s(j, a) is not None for a in alts)
+    assert [k for k, probe in served[-8:] if not probe] == [alts[0].key] * sum(not pr for _, pr in served[-8:])
+    assert {k for k, probe in served[len(alts) + 1:] if probe} >= {plan2.key} | {a.key for a in alts[1:]}
     # Not a close call (runner-up predicted beyond the margin): the plan, never probed.
     far = MeasuredChoice(margin=0.0)
-    if alt.prediction.latency_s > plan.prediction.latency_s:
-        assert [far.choose(i, plan, alt) for _ in range(5)] == [(plan, False)] * 5
-    assert far.choose(i, plan, None) == (plan, False)
+    if alt.latency_s > plan.latency_s:
+        assert [far.choose(i, plan, [alt]) for _ in range(5)] == [(plan, False)] * 5
+    assert far.choose(i, plan, []) == (plan, False)
     with pytest.raises(ConfigError):
         MeasuredChoice(window=1, min_samples=2)
 

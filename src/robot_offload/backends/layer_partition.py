@@ -27,9 +27,10 @@ plans are rebuilt with the new factors, and the measured server tail times are k
 profile (saved when the backend closes).
 
 Close calls are settled by measurement (:class:`~robot_offload.partition.planner.MeasuredChoice`,
-latency objective, ``probe_every`` > 0): when a bucket's runner-up plan is predicted within
-``probe_margin`` of its plan, both are timed on real frames and the faster one serves the
-bucket, because a plan never times the side it does not run on.
+latency objective, ``probe_every`` > 0): the bucket's alternatives (the best plan at
+another cut, all local, the best full offload) predicted within ``probe_margin`` of its
+plan are timed on real frames too and the fastest serves the bucket, because a plan never
+times the side it does not run on.
 """
 
 import json
@@ -196,7 +197,7 @@ class LayerPartitionBackend(Backend):
         i = st.table.index(bw)
         plan, probe = st.table.plans[i], False
         if st.measured is not None:
-            plan, probe = st.measured.choose(i, plan, st.table.runners_up[i])
+            plan, probe = st.measured.choose(i, plan, st.table.alternatives[i])
         t0 = time.perf_counter()
         y = self.run_plan(x, plan, stats, timeout_s, bw)
         if st.measured is not None and not profiled_now:

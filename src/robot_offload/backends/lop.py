@@ -151,7 +151,7 @@ class LopBackend(LayerPartitionBackend):
         # latency settles the close calls (robot stripes on new slab shapes, a shared
         # server, passive bandwidth estimates: LOSS's predictions err most here).
         i = ls.current[1]
-        chosen, probe = st.measured.choose(("lop", i), plan, st.table.lookup(bw))
+        chosen, probe = st.measured.choose(("lop", i), plan, [st.table.lookup(bw)])
         # The first run of a schedule sets up kernels for its slab shapes (and the first
         # spatial frame has the server record the graph): not what it costs after.
         warm = not profiled_now and chosen.key in self._ran and (chosen is not plan or ls.prepared)

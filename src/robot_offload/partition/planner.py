@@ -44,7 +44,7 @@ import torch
 
 from robot_offload import codec
 from robot_offload.errors import ConfigError
-from robot_offload.partition.graph import OUTPUT_CUT
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
 from robot_offload.power import COMPUTE_W, IDLE_W, TRANSMIT_W
 
@@ -233,14 +233,15 @@ def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str,
 
 def best_plan(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
               choices: Optional[List[Tuple[CutProfile, str, float]]] = None,
-              exclude_cut: Optional[str] = None) -> Optional[Plan]:
+              exclude_cut: Optional[str] = None, kind: Optional[str] = None) -> Optional[Plan]:
     """The plan with the lowest objective at ``bandwidth_bps`` (ties: fewer bytes up, then
-    lower error). ``exclude_cut``: the best plan at any other cut (None if there is none)."""
+    lower error). ``exclude_cut`` / ``kind``: the best plan at any other cut / at a cut of
+    that kind (None if there is none)."""
     choices = options(profile, cfg) if choices is None else choices
     if not choices:
         raise ConfigError(f"{profile.model}: no plan satisfies the constraints")
-    if exclude_cut is not None:
-        choices = [ch for ch in choices if ch[0].id != exclude_cut]
+    if exclude_cut is not None or kind is not None:
+        choices = [ch for ch in choices if ch[0].id != exclude_cut and (kind is None or ch[0].kind == kind)]
         if not choices:
             return None
     down = output_bytes(profile, cfg.output_codec)
@@ -279,9 +280,17 @@ class PlanTable:
         choices = options(profile, cfg)
         self.buckets: Tuple[float, ...] = tuple(cfg.buckets)
         self.plans: List[Plan] = [best_plan(profile, b, cfg, choices) for b in self.buckets]
-        #: per bucket, the best plan at another cut: what :class:`MeasuredChoice` may try
-        self.runners_up: List[Optional[Plan]] = [
-            best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id) for b, p in zip(self.buckets, self.plans)]
+        #: per bucket, what :class:`MeasuredChoice` may try instead of the plan: the best
+        #: plan at another cut, all local, and the best full offload (the input cut)
+        self.alternatives: List[List[Plan]] = []
+        for b, p in zip(self.buckets, self.plans):
+            alts = {}
+            for a in (best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id),
+                      best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id, kind=OUTPUT_CUT),
+                      best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id, kind=INPUT_CUT)):
+                if a is not None:
+                    alts.setdefault(a.key, a)
+            self.alternatives.append(list(alts.values()))
 
     def index(self, bandwidth_bps: float) -> int:
         """The bucket of ``bandwidth_bps``: the highest not above it (conservative); the
@@ -354,7 +363,7 @@ class DriftTracker:
 
 
 class MeasuredChoice:
-    """Measured latency decides between the planned plan and its runner-up when the
+    """Measured latency decides between the planned plan and its alternatives when the
     prediction cannot.
 
     DynO's re-planning (:class:`DriftTracker`) corrects the profile from what frames
@@ -362,50 +371,62 @@ class MeasuredChoice:
     robot, the output cut never the server, so a stale profile of the other side is never
     corrected, and the planner's 3-49 % prediction error decides close calls at random
     (a planner choosing full offload at 1.43 s predicted against 1.50 s for a local
-    forward that now takes 1.26 s). Per bandwidth bucket, when the table's runner-up (the
-    best plan at another cut) is predicted within ``margin`` of the plan, both are run and
-    timed: the runner-up as a probe once the plan has a clean measurement, again every
-    ``every`` frames of the bucket, and until each has ``min_samples``; between probes the
-    bucket serves the one whose median of the last ``window`` measured latencies is lower.
-    A probe is a real frame (its outputs are used); it costs at most ``margin`` more than
-    the prediction said, and only on close calls. Measurements are kept per plan key (cut
-    and encoding), so they survive re-plans that keep the plan. A plan is anything with a
-    ``key`` and a predicted ``latency_s``: lop uses it between a spatial schedule and the
-    layer partition of the same bucket."""
+    forward that now takes 1.26 s). Per bandwidth bucket, the alternatives predicted
+    within ``margin`` of the plan (:attr:`PlanTable.alternatives`: the best plan at another
+    cut, all local, the best full offload) are run and timed too: each as a probe until it
+    has ``min_samples`` measurements (once the plan has one), then one of them in turn
+    every ``every`` frames of the bucket; between probes the bucket serves the candidate
+    whose median of the last ``window`` measured latencies is lowest. A probe is a real
+    frame (its outputs are used); it costs at most ``margin`` more than the prediction
+    said, and only on close calls. Measurements are kept per plan key (cut and encoding),
+    so they survive re-plans that keep the plan. A plan is anything with a ``key`` and a
+    predicted ``latency_s``: lop uses it between a spatial schedule and the layer
+    partition of the same bucket."""
 
     def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2):
         if not margin >= 0 or every < 1 or window < 1 or not 1 <= min_samples <= window:
             raise ConfigError("need margin >= 0, every >= 1, window >= 1 and 1 <= min_samples <= window")
         self.margin, self.every, self.window, self.min_samples = margin, every, window, min_samples
-        self._latency: Dict[Tuple[int, Tuple[str, str]], deque] = {}
-        self._since: Dict[int, int] = {}       # bucket -> frames since its last probe
+        self._latency: Dict[Tuple[object, object], deque] = {}
+        self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
+        self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
         self.probes = 0
 
-    def close_call(self, plan, runner_up) -> bool:
-        return (runner_up is not None
-                and runner_up.latency_s <= plan.latency_s * (1 + self.margin))
+    def close_call(self, plan, alternative) -> bool:
+        return (alternative is not None and alternative.key != plan.key
+                and alternative.latency_s <= plan.latency_s * (1 + self.margin))
 
-    def median_s(self, bucket: int, plan) -> Optional[float]:
+    def median_s(self, bucket, plan) -> Optional[float]:
         d = self._latency.get((bucket, plan.key))
         return statistics.median(d) if d else None
 
-    def choose(self, bucket: int, plan, runner_up) -> Tuple[object, bool]:
+    def _count(self, bucket, plan) -> int:
+        return len(self._latency.get((bucket, plan.key), ()))
+
+    def choose(self, bucket, plan, alternatives) -> Tuple[object, bool]:
         """(the plan to run, whether it is a probe)."""
-        if not self.close_call(plan, runner_up):
+        cands = {plan.key: plan}
+        for a in alternatives or ():
+            if self.close_call(plan, a):
+                cands.setdefault(a.key, a)
+        if len(cands) == 1 or self.median_s(bucket, plan) is None:
             return plan, False
-        m_plan, m_alt = self.median_s(bucket, plan), self.median_s(bucket, runner_up)
-        if m_plan is None:
-            return plan, False
-        best, other = (runner_up, plan) if m_alt is not None and m_alt < m_plan else (plan, runner_up)
-        n_other = len(self._latency.get((bucket, other.key), ()))
-        if n_other < self.min_samples or self._since.get(bucket, 0) >= self.every:
+        measured = [c for c in cands.values() if self.median_s(bucket, c) is not None]
+        best = min(measured, key=lambda c: self.median_s(bucket, c))
+        others = [c for c in cands.values() if c.key != best.key]
+        under = [c for c in others if self._count(bucket, c) < self.min_samples]
+        if under or self._since.get(bucket, 0) >= self.every:
             self._since[bucket] = 0
             self.probes += 1
-            return other, True
+            if under:
+                return under[0], True
+            turn = self._turn.get(bucket, 0)
+            self._turn[bucket] = turn + 1
+            return others[turn % len(others)], True
         self._since[bucket] = self._since.get(bucket, 0) + 1
         return best, False
 
-    def observe(self, bucket: int, plan, latency_s: float) -> None:
+    def observe(self, bucket, plan, latency_s: float) -> None:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
         more than infer, e.g. the one that measured the profile)."""
         if math.isfinite(latency_s) and latency_s >= 0:
