@@ -64,6 +64,16 @@ def _backend(client):
     return b
 
 
+def _planned(client, seed: int):
+    """A lop backend of ``client`` with its states for a seeded input: (backend, input,
+    local outputs, lop state, layer-partition state)."""
+    backend = _backend(client)
+    x = client.spec.example_input(client.input_size, seed=seed)
+    with torch.inference_mode():
+        ref = client.model(x)
+    return backend, x, ref, backend.lop_state(x), backend.state(x)
+
+
 def _assert_same_outputs(y, ref, what):
     """Lossless lop equals local up to floating-point summation order: each floating
     output within 1e-5 of its own largest magnitude (random-weight ResNet-101 logits reach
@@ -169,12 +179,7 @@ def test_every_plan_loss_produces_equals_local(shared_server, profile_dir):
     for model in LOP_MODELS:
         client = _client(shared_server, model, profile_dir, partition_codecs=("raw",))
         try:
-            backend = _backend(client)
-            x = client.spec.example_input(client.input_size, seed=11)
-            with torch.inference_mode():
-                ref = client.model(x)
-            ls = backend.lop_state(x)
-            st = backend.state(x)
+            backend, x, ref, ls, st = _planned(client, seed=11)
             plans = {}
             for bw in BUCKETS:
                 p = ls.table.lookup(bw)
@@ -398,12 +403,7 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
     client = OffloadClient(cfg, _SlowLink(shared_server))
     assert client.connect(), client.link.last_error
     try:
-        backend = _backend(client)
-        x = client.spec.example_input(client.input_size, seed=5)
-        with torch.inference_mode():
-            ref = client.model(x)
-        ls = backend.lop_state(x)
-        st = backend.state(x)
+        backend, x, ref, ls, st = _planned(client, seed=5)
         loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
         spatial = _spatial_plan(loss, st, i, 8)

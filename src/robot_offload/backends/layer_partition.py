@@ -97,7 +97,7 @@ class LayerPartitionBackend(Backend):
 
     def state(self, x: torch.Tensor) -> _ShapeState:
         """Profile and plan table for ``x``'s shape (measured on first use)."""
-        shape = tuple(int(s) for s in x.shape)
+        shape = self.shape_key(x)
         st = self._states.get(shape)
         if st is None:
             c = self.ctx.config
@@ -125,7 +125,20 @@ class LayerPartitionBackend(Backend):
 
     def _device(self) -> str:
         link = self.ctx.link
-        return getattr(link, "device", "") or "" if link is not None else ""
+        return link.device if link is not None else ""
+
+    @staticmethod
+    def shape_key(x: torch.Tensor) -> Tuple[int, ...]:
+        """What per-shape state is kept under."""
+        return tuple(int(s) for s in x.shape)
+
+    def frame_bandwidth(self, stats) -> float:
+        """The predicted bandwidth of this frame (bit/s), or ``bandwidth_bps_default``
+        while there is no usable prediction."""
+        bw = stats.predicted_bandwidth_bps
+        if isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0:
+            return bw
+        return self.ctx.config.bandwidth_bps_default
 
     def _cuts_exist(self, profile: Profile) -> bool:
         try:
@@ -189,11 +202,9 @@ class LayerPartitionBackend(Backend):
 
     # -- inference ------------------------------------------------------------------------
     def infer(self, x, stats, timeout_s):
-        profiled_now = tuple(int(s) for s in x.shape) not in self._states
+        profiled_now = self.shape_key(x) not in self._states
         st = self.state(x)
-        bw = stats.predicted_bandwidth_bps
-        if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
-            bw = self.ctx.config.bandwidth_bps_default
+        bw = self.frame_bandwidth(stats)
         i = st.table.index(bw)
         plan, probe = st.table.plans[i], False
         if st.measured is not None:

@@ -24,7 +24,6 @@ faster serves the bucket.
 """
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -81,7 +80,7 @@ class LopBackend(LayerPartitionBackend):
         solved again on a background thread and swapped in when ready, so that no frame
         waits for planning (a second or more on a 0.5-CPU robot)."""
         st = self.state(x)
-        shape = tuple(int(s) for s in x.shape)
+        shape = self.shape_key(x)
         ls = self._lop.get(shape)
         if ls is None:
             metas, _ = self.graph.record(torch.zeros_like(x))
@@ -138,10 +137,8 @@ class LopBackend(LayerPartitionBackend):
 
     # -- inference ------------------------------------------------------------------------
     def infer(self, x, stats, timeout_s):
-        bw = stats.predicted_bandwidth_bps
-        if not (isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0):
-            bw = self.ctx.config.bandwidth_bps_default
-        profiled_now = tuple(int(s) for s in x.shape) not in self._lop
+        bw = self.frame_bandwidth(stats)
+        profiled_now = self.shape_key(x) not in self._lop
         ls = self.lop_state(x)
         plan = self._sticky(ls, bw)
         st = self.state(x)
@@ -160,10 +157,7 @@ class LopBackend(LayerPartitionBackend):
         if chosen is plan:
             y = self.run_schedule(x, plan, stats, timeout_s, bw)
         else:
-            y = self.run_plan(x, chosen, stats, timeout_s, bw)
-            stats.plan = "lop:" + stats.plan
-            stats.extra["lop"] = {"schedule": "layer_partition " + chosen.describe(), "spatial": False,
-                                  "predicted_s": chosen.latency_s}
+            y = self._run_partition(x, chosen, stats, timeout_s, bw)
         if warm:
             st.measured.observe(("lop", i), chosen, time.perf_counter() - t0)
         stats.extra["lop"]["probe"] = probe
@@ -183,17 +177,22 @@ class LopBackend(LayerPartitionBackend):
         ls.current = (table, i, plan)
         return plan
 
+    def _run_partition(self, x: torch.Tensor, partition, stats, timeout_s: float, bw: float):
+        """A layer-partition frame of ``lop`` (a schedule without a spatial region, or the
+        measured choice's pick over one), its stats marked as lop's."""
+        y = self.run_plan(x, partition, stats, timeout_s, bw)
+        stats.plan = "lop:" + stats.plan
+        stats.extra["lop"] = {"schedule": "layer_partition " + partition.describe(), "spatial": False,
+                              "predicted_s": partition.latency_s}
+        return y
+
     def run_schedule(self, x: torch.Tensor, plan: LopPlan, stats, timeout_s: float,
                      bandwidth_bps: float = None):
         """Run one frame with ``plan`` (any plan of this model's table, or one made by
         :mod:`robot_offload.partition.loss` for this shape)."""
         bw = bandwidth_bps or plan.bandwidth_bps
         if not plan.spatial:
-            y = self.run_plan(x, plan.partition, stats, timeout_s, bw)
-            stats.plan = "lop:" + stats.plan
-            stats.extra["lop"] = {"schedule": plan.describe(), "spatial": False,
-                                  "predicted_s": plan.latency_s}
-            return y
+            return self._run_partition(x, plan.partition, stats, timeout_s, bw)
         ls = self.lop_state(x)
         t0 = time.perf_counter()
         if not ls.prepared:

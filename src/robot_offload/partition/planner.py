@@ -231,31 +231,43 @@ def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str,
     return out
 
 
+def _ranked(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
+            choices: Optional[List[Tuple[CutProfile, str, float]]] = None) -> List[tuple]:
+    """(cut, encoding, error, prediction) of every choice (default :func:`options`) at
+    ``bandwidth_bps``, best first: lowest objective, then fewer bytes up, then lower error
+    (a stable sort: the earlier choice wins a full tie)."""
+    choices = options(profile, cfg) if choices is None else choices
+    if not choices:
+        raise ConfigError(f"{profile.model}: no plan satisfies the constraints")
+    down = output_bytes(profile, cfg.output_codec)
+    scored = []
+    for c, e, err in choices:
+        p = predict(profile, c, e, bandwidth_bps, cfg, down)
+        obj = p.latency_s if cfg.objective == "latency" else p.energy_j
+        scored.append(((obj, p.bytes_up, err), (c, e, err, p)))
+    scored.sort(key=lambda s: s[0])
+    return [entry for _, entry in scored]
+
+
+def _first(ranked: List[tuple], bandwidth_bps: float, exclude_cut: Optional[str] = None,
+           kind: Optional[str] = None) -> Optional[Plan]:
+    """The first of :func:`_ranked`'s entries at another cut than ``exclude_cut`` (and of
+    ``kind``), as a Plan; None if there is none."""
+    for c, e, err, p in ranked:
+        if c.id != exclude_cut and (kind is None or c.kind == kind):
+            cd, z = split_encoding(e)
+            return Plan(cut_id=c.id, kind=c.kind, label=c.label, crossing=tuple(c.crossing), codec=cd,
+                        compression=z, error=err, bandwidth_bps=bandwidth_bps, prediction=p)
+    return None
+
+
 def best_plan(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
               choices: Optional[List[Tuple[CutProfile, str, float]]] = None,
               exclude_cut: Optional[str] = None, kind: Optional[str] = None) -> Optional[Plan]:
     """The plan with the lowest objective at ``bandwidth_bps`` (ties: fewer bytes up, then
     lower error). ``exclude_cut`` / ``kind``: the best plan at any other cut / at a cut of
     that kind (None if there is none)."""
-    choices = options(profile, cfg) if choices is None else choices
-    if not choices:
-        raise ConfigError(f"{profile.model}: no plan satisfies the constraints")
-    if exclude_cut is not None or kind is not None:
-        choices = [ch for ch in choices if ch[0].id != exclude_cut and (kind is None or ch[0].kind == kind)]
-        if not choices:
-            return None
-    down = output_bytes(profile, cfg.output_codec)
-    best, best_key = None, None
-    for c, e, err in choices:
-        p = predict(profile, c, e, bandwidth_bps, cfg, down)
-        obj = p.latency_s if cfg.objective == "latency" else p.energy_j
-        key = (obj, p.bytes_up, err)
-        if best_key is None or key < best_key:
-            best, best_key = (c, e, err, p), key
-    c, e, err, p = best
-    cd, z = split_encoding(e)
-    return Plan(cut_id=c.id, kind=c.kind, label=c.label, crossing=tuple(c.crossing), codec=cd,
-                compression=z, error=err, bandwidth_bps=bandwidth_bps, prediction=p)
+    return _first(_ranked(profile, bandwidth_bps, cfg, choices), bandwidth_bps, exclude_cut, kind)
 
 
 def plan_for(profile: Profile, cut_id: str, encoding: str, bandwidth_bps: float,
@@ -279,17 +291,19 @@ class PlanTable:
         self.cfg = cfg.validate()
         choices = options(profile, cfg)
         self.buckets: Tuple[float, ...] = tuple(cfg.buckets)
-        self.plans: List[Plan] = [best_plan(profile, b, cfg, choices) for b in self.buckets]
+        self.plans: List[Plan] = []
         #: per bucket, what :class:`MeasuredChoice` may try instead of the plan: the best
         #: plan at another cut, all local, and the best full offload (the input cut)
         self.alternatives: List[List[Plan]] = []
-        for b, p in zip(self.buckets, self.plans):
+        for b in self.buckets:
+            ranked = _ranked(profile, b, cfg, choices)    # one prediction per choice
+            p = _first(ranked, b)
             alts = {}
-            for a in (best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id),
-                      best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id, kind=OUTPUT_CUT),
-                      best_plan(profile, b, cfg, choices, exclude_cut=p.cut_id, kind=INPUT_CUT)):
+            for a in (_first(ranked, b, p.cut_id), _first(ranked, b, p.cut_id, OUTPUT_CUT),
+                      _first(ranked, b, p.cut_id, INPUT_CUT)):
                 if a is not None:
                     alts.setdefault(a.key, a)
+            self.plans.append(p)
             self.alternatives.append(list(alts.values()))
 
     def index(self, bandwidth_bps: float) -> int:

@@ -177,19 +177,15 @@ def main(argv=None):
     deadline = time.monotonic() + 30
     while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    try:
+    try:   # switch() raises ValueError when the client refuses a mode
         for mode in args.mode:
             d.switch(mode)
             d.run_frames(args.warmup, record=False, t_origin=time.monotonic(),
                          timeout_s=args.warmup_timeout_s or None)
-    except ValueError as e:
-        print(f"ERROR {e}", flush=True)
-        return 2
-    print("READY", flush=True)
-    if not args.no_go:
-        sys.stdin.readline()
-    t_origin = time.monotonic()
-    try:
+        print("READY", flush=True)
+        if not args.no_go:
+            sys.stdin.readline()
+        t_origin = time.monotonic()
         rows = d.run_frames(args.frames, record=True, t_origin=t_origin, modes=args.mode)
     except ValueError as e:
         print(f"ERROR {e}", flush=True)

@@ -776,8 +776,7 @@ class RemoteSession:
             actual = self._early_sync_result(spec, j, ret) if spec.early is not None else None
             if actual is None:
                 actual = self._flush("a value or data-dependent shape", sync_op=j)
-            shapes = [(m.get("s"), m.get("d")) for m in _metas_in(actual)]
-            if shapes != [(m.get("s"), m.get("d")) for m in _metas_in(ret)]:
+            if not _same_shapes(actual, ret):
                 # The data made the shapes differ from the record: hand out proxies with the
                 # real shapes (same server tensors) and record again from here.
                 self._spec = None
@@ -878,7 +877,8 @@ class RemoteSession:
         keep = sorted(alive)
         prefetch = set(map(tuple, seq.prefetch))
         fetch = [key for key in keep if key in prefetch or (want is not None and alive[key] is want)]
-        body, uploads = self._replay_body(spec, spec.pos, keep, fetch, sync_op)
+        body, uploads = self._replay_body(spec, spec.pos, keep, fetch,
+                                          [sync_op] if sync_op is not None else [])
         result, response = self._send(body, uploads)
         self._apply_replay(spec, result, response, alive, fetch)
         if spec.pos == seq.n_ops and sync_op is None and want is None and spec.sent == spec.pos:
@@ -896,10 +896,10 @@ class RemoteSession:
         alive = {key: r() for key, r in spec.proxies.items()}
         return {key: p for key, p in alive.items() if p is not None and p._pending is not None}
 
-    def _replay_body(self, spec, upto: int, keep, fetch, sync_op=None):
+    def _replay_body(self, spec, upto: int, keep, fetch, sync_ops=()):
         """The ``replay`` request for operators ``spec.sent`` .. ``upto``-1 (and its uploads:
-        the fresh inputs not sent yet); ``sync_op``: the operator (or list of operators)
-        whose return values the reply must carry."""
+        the fresh inputs not sent yet); ``sync_ops``: the operators whose return values the
+        reply must carry."""
         seq = spec.seq
         uploads: List[tuple] = []
         inputs = []
@@ -923,7 +923,7 @@ class RemoteSession:
                         spec.predicted[idx] = seq.input_digests[idx]
         body = {"replay": {"id": seq.seq_id, "from": spec.sent, "n": upto, "inputs": inputs,
                            "keep": [list(k) for k in keep], "fetch": [list(k) for k in fetch],
-                           "sync": [sync_op] if isinstance(sync_op, int) else list(sync_op or [])}}
+                           "sync": list(sync_ops)}}
         if seq.seq_id not in self._defined:
             body["define"] = {"id": seq.seq_id, "ops": seq.ops, "n_inputs": len(seq.input_metas)}
             self._defined.add(seq.seq_id)
@@ -1054,8 +1054,7 @@ class RemoteSession:
             self._drop_early(spec, result)
             return None
         actual = result["replay"]["rets"].get(str(j))
-        recorded = [(m.get("s"), m.get("d")) for m in _metas_in(ret)]
-        if actual is not None and [(m.get("s"), m.get("d")) for m in _metas_in(actual)] == recorded:
+        if actual is not None and _same_shapes(actual, ret):
             self.stats.early_sync_answers += 1
             return actual
         self._drop_early(spec, result)
@@ -1110,6 +1109,13 @@ def _version_of(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:
         return -1
+
+
+def _same_shapes(actual, recorded) -> bool:
+    """Whether two return trees hold tensors of the same shapes and dtypes, in order."""
+    def shapes(tree):
+        return [(m.get("s"), m.get("d")) for m in _metas_in(tree)]
+    return shapes(actual) == shapes(recorded)
 
 
 def _metas_in(tree) -> list:
