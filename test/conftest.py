@@ -4,8 +4,10 @@ import pytest
 
 from robot_offload.server import OffloadServer, ServerConfig
 
+from devices import SERVER_DEVICE
+
 
 @pytest.fixture(scope="session")
 def shared_server():
     """One in-process server for the whole session: models are built once."""
-    return OffloadServer(ServerConfig(device="cpu"))
+    return OffloadServer(ServerConfig(device=SERVER_DEVICE))

@@ -19,6 +19,8 @@ from robot_offload.protocol import (ComputeRequest, LoadModelRequest, PingReques
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import SERVER_DEVICE, assert_same_as_local, to_server
+
 SECRET = b"0123456789abcdef0123456789abcdef"
 WRONG = b"fedcba9876543210fedcba9876543210"
 X = torch.randn(1, 3, 32, 32)
@@ -26,7 +28,7 @@ X = torch.randn(1, 3, 32, 32)
 
 @pytest.fixture(scope="module")
 def server():
-    s = OffloadServer(ServerConfig(device="cpu"), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
     r = s.handle("load_model", auth.sign_request(SECRET, "load_model", LoadModelRequest("t", "resnet18")))
     assert r.status == StatusCode.OK, r.status_text
     return s
@@ -35,7 +37,7 @@ def server():
 @pytest.fixture(scope="module")
 def expected(server):
     with torch.inference_mode():
-        return server.load("resnet18").module(X)
+        return server.load("resnet18").module(to_server(X)).cpu()
 
 
 def _compute_req(**kw):
@@ -209,7 +211,7 @@ def test_replay_cache_is_bounded_and_forgets_expired_nonces():
 
 
 def test_refusals_are_logged_throttled(caplog):
-    s = OffloadServer(ServerConfig(device="cpu"), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
     with caplog.at_level(logging.WARNING, logger="robot_offload.server"):
         for _ in range(50):
             assert s.handle("ping", PingRequest("t", b"")).status == StatusCode.UNAUTHORIZED
@@ -222,7 +224,7 @@ def test_refusals_are_logged_throttled(caplog):
 
 
 def test_per_client_allow_lists():
-    cfg = ServerConfig(device="cpu", client_models={"robot1": ["resnet18"], "*": ["mobilenet_v2"]})
+    cfg = ServerConfig(device=SERVER_DEVICE, client_models={"robot1": ["resnet18"], "*": ["mobilenet_v2"]})
     s = OffloadServer(cfg)
     ok = s.handle("load_model", LoadModelRequest("robot1", "resnet18"))
     assert ok.status == StatusCode.OK, ok.status_text
@@ -232,7 +234,7 @@ def test_per_client_allow_lists():
     r = s.handle("compute", _compute_req(client_id="robot2"))
     assert r.status == StatusCode.UNAUTHORIZED
     assert s.handle("compute", _compute_req(client_id="robot1")).status == StatusCode.OK
-    s2 = OffloadServer(ServerConfig(device="cpu", client_models={"robot1": ["resnet18"]}))
+    s2 = OffloadServer(ServerConfig(device=SERVER_DEVICE, client_models={"robot1": ["resnet18"]}))
     r = s2.handle("load_model", LoadModelRequest("robot3", "resnet18"))
     assert r.status == StatusCode.UNAUTHORIZED and "not in client_models" in r.status_text
     with pytest.raises(Unauthorized):
@@ -248,7 +250,7 @@ def test_client_models_config_refused(bad):
 
 
 def test_client_with_wrong_secret_computes_locally():
-    s = OffloadServer(ServerConfig(device="cpu"), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
     cfg = ClientConfig(model="resnet18", mode="full_offload", input_size=(32, 32), retry_interval_s=0.05)
     for secret, offloads in ((WRONG, False), (None, False), (SECRET, True)):
         client = OffloadClient(cfg, InProcessTransport(s, auth_secret=secret))
@@ -259,7 +261,7 @@ def test_client_with_wrong_secret_computes_locally():
             if not offloads:
                 assert "UNAUTHORIZED" in stats.fallback_reason or "authentication" in client.link.last_error
             with torch.inference_mode():
-                torch.testing.assert_close(out, client.model(X), rtol=1e-4, atol=1e-4)
+                assert_same_as_local(out, client.model(X), rtol=1e-4, atol=1e-4)
         finally:
             client.close()
 

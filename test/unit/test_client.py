@@ -12,6 +12,8 @@ from robot_offload.frames import LatestFrame
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import SERVER_DEVICE, assert_same_as_local
+
 
 class SlowServer:
     """Wraps a server and delays every compute by ``delay_s`` (a stalled GPU, a hung link)."""
@@ -61,7 +63,7 @@ def test_slow_server_falls_back_within_deadline(shared_server, x):
         assert stats.executed_mode == "local" and "OffloadTimeout" in stats.fallback_reason
         assert elapsed < 0.3 + 1.0, elapsed  # deadline + one local inference, never 3 s
         with torch.inference_mode():
-            torch.testing.assert_close(y, c.model(x))
+            assert_same_as_local(y, c.model(x))
         # While the link is down, frames go local at once without waiting for a deadline.
         t0 = time.monotonic()
         _, stats = c.infer(x)
@@ -89,7 +91,7 @@ def test_server_down_then_restarted(x):
         assert not c.connect(timeout_s=0.5)
         _, stats = c.infer(x)
         assert stats.executed_mode == "local"
-        transport.server = OffloadServer(ServerConfig(device="cpu"))   # the server comes up
+        transport.server = OffloadServer(ServerConfig(device=SERVER_DEVICE))   # the server comes up
         deadline = time.monotonic() + 10
         while not c.link.available and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -97,11 +99,11 @@ def test_server_down_then_restarted(x):
         _, stats = c.infer(x)
         assert stats.executed_mode == "full_offload"
         # A restart loses the loaded model: the client reloads it and retries, no fallback.
-        transport.server = OffloadServer(ServerConfig(device="cpu"))
+        transport.server = OffloadServer(ServerConfig(device=SERVER_DEVICE))
         y, stats = c.infer(x)
         assert stats.executed_mode == "full_offload", stats.fallback_reason
         with torch.inference_mode():
-            torch.testing.assert_close(y, c.model(x))
+            assert_same_as_local(y, c.model(x))
     finally:
         c.close()
 
@@ -112,7 +114,7 @@ def test_hash_mismatch_disables_offloading(tmp_path, x):
         next(spec_model.parameters()).add_(1.0)
     path = tmp_path / "other.pt"
     torch.save(spec_model.state_dict(), path)
-    server = OffloadServer(ServerConfig(device="cpu"))
+    server = OffloadServer(ServerConfig(device=SERVER_DEVICE))
     c = _client(server, weights=str(path))
     try:
         assert not c.connect()

@@ -9,6 +9,8 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import assert_same_as_local
+
 
 def _client(server, model, **kw):
     spec = get_spec(model)
@@ -32,7 +34,7 @@ def test_full_offload_equals_local(shared_server, model):
         leaves, _ = structure.flatten(local)
         assert stats.round_trips == 1 and stats.bytes_up == x.numel() * 4
         assert stats.bytes_down == sum(t.numel() * t.element_size() for t in leaves)
-        torch.testing.assert_close(remote, local, rtol=0, atol=0)
+        assert_same_as_local(remote, local, rtol=0, atol=0)
     finally:
         client.close()
 
@@ -53,7 +55,7 @@ def test_lossy_input_codec_is_what_the_server_computes_on(shared_server, input_c
         torch.testing.assert_close(x_wire, x, rtol=codec.RTOL[input_codec], atol=codec.tolerance(enc) + 1e-6)
         with torch.inference_mode():
             expected = client.model(x_wire)
-        torch.testing.assert_close(remote, expected)
+        assert_same_as_local(remote, expected)
     finally:
         client.close()
 
@@ -66,6 +68,6 @@ def test_float16_outputs_within_tolerance(shared_server):
         assert stats.bytes_down == 2 * 1000
         with torch.inference_mode():
             local = client.model(x)
-        torch.testing.assert_close(remote, local, rtol=codec.RTOL["float16"], atol=1e-5)
+        assert_same_as_local(remote, local, rtol=codec.RTOL["float16"], atol=1e-5)
     finally:
         client.close()

@@ -32,6 +32,8 @@ from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRe
 from robot_offload.request_check import MAX_ARGS_JSON_CHARS, MAX_TENSORS
 from robot_offload.server import OffloadServer, ServerConfig
 
+from devices import SERVER_DEVICE, to_server
+
 N_MALFORMED = 1000     # malformed requests per handler (and per compute entry)
 N_WELLFORMED = 150     # well-formed, meaningless requests per compute entry
 MAX_BYTES = 300_000    # the fuzzed server's max_request_bytes
@@ -52,7 +54,7 @@ def fuzz_server():
     torch.set_num_threads(1)
     # A lop finish waits for its part (10 s by default); nonsense finishes have none.
     wait_s, lop_executor.wait_s = lop_executor.wait_s, 0.01
-    s = OffloadServer(ServerConfig(device="cpu", max_request_bytes=MAX_BYTES, max_input_elements=100_000))
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_request_bytes=MAX_BYTES, max_input_elements=100_000))
     assert s.handle("load_model", LoadModelRequest("fuzz", MODEL)).status == StatusCode.OK
     yield s
     lop_executor.wait_s = wait_s
@@ -67,7 +69,7 @@ class Valid:
         self.server = server
         self.x = torch.randn(SHAPE)
         with torch.inference_mode():
-            self.y = server.load(MODEL).module(self.x)
+            self.y = server.load(MODEL).module(to_server(self.x)).cpu()
         self.count = 0
         self.sent = 0
 

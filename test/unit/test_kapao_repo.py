@@ -15,6 +15,8 @@ from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import SERVER_DEVICE, skip_off_cpu
+
 REPO = os.path.join(os.path.dirname(__file__), "..", "fixtures", "kapao_repo")
 
 
@@ -31,10 +33,12 @@ def make_weights(path):
 
 
 def test_record_replay_poses_equal_local(tmp_path):
+    skip_off_cpu("random-weight keypoint objects are matched among near-ties, which float "
+                 "rounding reorders (5 of 51 coordinates moved a grid cell on an H100)")
     runner = KapaoRepoRunner(REPO, make_weights(tmp_path / "w.pt"), imgsz=128,
                              conf_thres_kp=0.0, conf_thres=0.0)
     runner.data["conf_thres_kp_person"] = 0.0
-    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
     session = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
                             local_fallback=True)
     cam = SyntheticSource(160, 120, seed=1)

@@ -3,6 +3,7 @@ every split the planner can choose gives the local outputs (lossless), lossy enc
 within the tolerance with top-1 agreement, the server validates partition_tail requests,
 and measured drift re-plans."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -24,6 +25,8 @@ from robot_offload.protocol import ComputeRequest, StatusCode
 from robot_offload.server import LoadedModel, RequestRejected
 from robot_offload.stats import FrameStats
 from robot_offload.transport.inproc import InProcessTransport
+
+from devices import assert_same_as_local, skip_off_cpu
 
 LOSSLESS = ("raw/none", "raw/zstd", "raw/bitshuffle_zstd")
 #: models whose forward torch.fx cannot trace: input and output cuts only
@@ -58,6 +61,9 @@ def _local(client, x):
 
 @pytest.mark.parametrize("model", names())
 def test_lossless_every_choosable_split_equals_local(shared_server, profile_dir, model):
+    if model == "fasterrcnn_resnet50_fpn":
+        skip_off_cpu("its random-weight proposals are picked among near-ties, which float "
+                     "rounding reorders")
     client = _client(shared_server, model, profile_dir, partition_codecs=("raw",))
     try:
         backend = _backend(client)
@@ -75,7 +81,7 @@ def test_lossless_every_choosable_split_equals_local(shared_server, profile_dir,
             plan = plan_for(st.profile, cp.id, LOSSLESS[i % 3], 20e6, st.cfg)
             stats = FrameStats()
             y = backend.run_plan(x, plan, stats, 120)
-            torch.testing.assert_close(y, ref, msg=lambda m: f"{plan.describe()}: {m}")
+            assert_same_as_local(y, ref, msg=plan.describe())
             assert stats.plan == plan.describe() and math.isfinite(stats.predicted_latency_s)
             assert stats.round_trips == (0 if cp.kind == "output" else 1)
             if plan.encoding == "raw/none":
@@ -96,7 +102,7 @@ def test_through_the_client_with_the_predicted_bandwidth(shared_server, profile_
             client.predicted_bandwidth_bps = bw
             y, stats = client.infer(x)
             assert stats.executed_mode == "layer_partition", stats.fallback_reason
-            torch.testing.assert_close(y, ref)
+            assert_same_as_local(y, ref)
             info = stats.extra["partition"]
             assert info["bandwidth_bps"] == (50e6 if math.isnan(bw) else bw)
             assert stats.plan.startswith("cut=") and stats.predicted_latency_s > 0
@@ -228,13 +234,13 @@ def test_partition_tail_runs_the_servers_own_model(shared_server, tail_request):
     make, ref, _ = tail_request
     resp, y = _call(shared_server, make())
     assert resp.status == StatusCode.OK, resp.status_text
-    torch.testing.assert_close(y, ref)
+    assert_same_as_local(y, ref)
     assert resp.server_compute_s > 0 and json.loads(resp.result_json)["tail_nodes"] > 50
     # the cut id (names joined by commas) works as well as the list
     resp, y = _call(shared_server, make(args_json=json.dumps(
         {"cut": "maxpool,layer1_0_conv1", "input_shape": [1, 3, 32, 32]})))
     assert resp.status == StatusCode.OK
-    torch.testing.assert_close(y, ref)
+    assert_same_as_local(y, ref)
 
 
 def _bad_requests(make):
@@ -298,7 +304,9 @@ class _Untraceable(nn.Module):
 
 
 def test_partition_tail_on_an_untraceable_model(shared_server):
-    loaded = LoadedModel("untraceable", _Untraceable().eval(), "h", torch.device("cpu"), 0.0)
+    module = _Untraceable().eval()
+    loaded = LoadedModel("untraceable", copy.deepcopy(module).to(shared_server.device), "h",
+                         shared_server.device, 0.0)
     x = torch.ones(1, 4)
     req = ComputeRequest(client_id="t", model="untraceable", entry="partition_tail",
                          tensors=[codec.encode(x, "lin")],
@@ -310,7 +318,7 @@ def test_partition_tail_on_an_untraceable_model(shared_server):
     resp = partition_tail(shared_server, loaded, req)
     from robot_offload import structure
     y = structure.unflatten([codec.decode(t) for t in resp.tensors], resp.structure_json)
-    torch.testing.assert_close(y, loaded.module(x))
+    assert_same_as_local(y, module(x))
 
 
 # --- profiles and re-planning ------------------------------------------------------------
@@ -428,7 +436,7 @@ def test_measured_choice_overrides_a_wrong_close_call(shared_server, profile_dir
             stats = FrameStats()
             stats.predicted_bandwidth_bps = 10e6
             y = backend.infer(x, stats, 120)
-            torch.testing.assert_close(y, ref)
+            assert_same_as_local(y, ref)
             ran.append((stats.plan.split()[0], stats.extra["partition"]["probe"]))
         local, full = "cut=output", "cut=input"
         assert ran[:3] == [(full, False), (local, True), (full, True)], ran

@@ -38,6 +38,8 @@ from robot_offload.server import RequestRejected
 from robot_offload.stats import FrameStats
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import ON_CPU, assert_same_as_local
+
 LOP_MODELS = ("vgg19", "resnet101", "densenet121", "regnet_y_400mf", "convnext_tiny",
               "mobilenet_v2", "kapao_l", "agrnav")
 BUCKETS = (5e6, 20e6, 50e6, 100e6)
@@ -77,7 +79,11 @@ def _planned(client, seed: int):
 def _assert_same_outputs(y, ref, what):
     """Lossless lop equals local up to floating-point summation order: each floating
     output within 1e-5 of its own largest magnitude (random-weight ResNet-101 logits reach
-    ~3e4, so an absolute tolerance alone would test nothing or everything), others exact."""
+    ~3e4, so an absolute tolerance alone would test nothing or everything), others exact.
+    With the server on another device, the cross-device comparison of ``devices``."""
+    if not ON_CPU:
+        assert_same_as_local(y, ref, msg=what)
+        return
     ly, sy = structure.flatten(y)
     lr, sr = structure.flatten(ref)
     assert sy == sr, what

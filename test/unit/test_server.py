@@ -11,10 +11,12 @@ from robot_offload.protocol import (ComputeRequest, LoadModelRequest, PingReques
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.errors import ConfigError
 
+from devices import SERVER_DEVICE, to_server
+
 
 @pytest.fixture(scope="module")
 def server():
-    s = OffloadServer(ServerConfig(device="cpu", max_request_bytes=2_000_000, max_input_elements=400_000))
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_request_bytes=2_000_000, max_input_elements=400_000))
     assert s.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.OK
     return s
 
@@ -73,7 +75,7 @@ def test_bad_load_requests(server):
 
 
 def test_allow_list():
-    s = OffloadServer(ServerConfig(device="cpu", allowed_models=("mobilenet_v2",)))
+    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, allowed_models=("mobilenet_v2",)))
     assert s.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.UNAUTHORIZED
 
 
@@ -100,4 +102,15 @@ def test_concurrent_clients_get_their_own_results(server):
     for x, r in zip(inputs, results):
         assert r.status == StatusCode.OK
         with torch.inference_mode():
-            torch.testing.assert_close(codec.decode(r.tensors[0]), model(x))
+            torch.testing.assert_close(codec.decode(r.tensors[0]), model(to_server(x)).cpu())
+
+
+def test_tf32_is_off_unless_asked_for():
+    """PyTorch lets cuDNN convolve in TF32 by default (~1e-3 from the robot's float32)."""
+    if SERVER_DEVICE == "cpu":
+        pytest.skip("needs the server on CUDA (ROBOT_OFFLOAD_TEST_DEVICE=cuda)")
+    OffloadServer(ServerConfig(device=SERVER_DEVICE))
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    OffloadServer(ServerConfig(device=SERVER_DEVICE, allow_tf32=True))
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    OffloadServer(ServerConfig(device=SERVER_DEVICE))

@@ -1,6 +1,5 @@
 """Projection, depth lookup, Kalman filter and person tracker against hand-computed values."""
 
-import math
 
 import numpy as np
 import pytest

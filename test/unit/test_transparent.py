@@ -20,6 +20,8 @@ from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
 
+from devices import SERVER_DEVICE, assert_same_as_local, skip_off_cpu
+
 PROGRAMS = os.path.join(os.path.dirname(__file__), "..", "programs")
 #: Registry models whose operator sequence changes with the data (the number of boxes
 #: kept changes which operators run): they must stay op by op and still be correct.
@@ -43,7 +45,8 @@ def program_runs(tmp_path_factory):
         _run([path, "--out", str(out / f"{prog}.plain.npz")], out)
         for mode in ("transparent", "record_replay"):
             stats = out / f"{prog}.{mode}.json"
-            _run(["-m", "robot_offload.transparent", "--inproc", "--mode", mode, "--stats-out", str(stats),
+            _run(["-m", "robot_offload.transparent", "--inproc", "--inproc-device", SERVER_DEVICE,
+                  "--mode", mode, "--stats-out", str(stats),
                   "--", "python", path, "--out", str(out / f"{prog}.{mode}.npz")], out)
             runs[prog, mode] = (np.load(out / f"{prog}.plain.npz"), np.load(out / f"{prog}.{mode}.npz"),
                                 json.loads(stats.read_text()))
@@ -56,8 +59,8 @@ def test_program_outputs_equal_uninstrumented(program_runs, prog, mode):
     plain, offloaded, stats = program_runs[prog, mode]
     assert plain.files == offloaded.files
     for key in plain.files:
-        torch.testing.assert_close(torch.from_numpy(offloaded[key]), torch.from_numpy(plain[key]),
-                                   rtol=1e-5, atol=1e-5)
+        assert_same_as_local(torch.from_numpy(offloaded[key]), torch.from_numpy(plain[key]),
+                             rtol=1e-5, atol=1e-5)
     assert stats["ops_remote"] > 0, "nothing was offloaded"
     if mode == "transparent":
         assert stats["ops_replayed"] == 0 and stats["round_trips"] >= stats["ops_remote"]
@@ -112,12 +115,15 @@ def _offloaded_equals_local(client, mode, x):
     assert stats.executed_mode == mode, stats.fallback_reason
     client.set_mode("local")
     ref, _ = client.infer(x)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert_same_as_local(y, ref, rtol=1e-5, atol=1e-5)
     return stats
 
 
 @pytest.mark.parametrize("model", names())
 def test_registry_models_record_replay_equals_local(shared_server, model):
+    if model == "fasterrcnn_resnet50_fpn":
+        skip_off_cpu("its random-weight proposals are picked among near-ties, which float "
+                     "rounding reorders")
     client = _client(shared_server, model, "record_replay")
     try:
         phases = []
@@ -174,7 +180,7 @@ def test_registry_models_transparent_equals_local(shared_server, model):
 # -- the session in process --------------------------------------------------------------------
 
 def _session(server=None, mode="record_replay", **kwargs):
-    transport = InProcessTransport(server or OffloadServer(ServerConfig(device="cpu")))
+    transport = InProcessTransport(server or OffloadServer(ServerConfig(device=SERVER_DEVICE)))
     return RemoteSession(lambda r, t: transport.call("compute", r, t), mode=mode, **kwargs)
 
 
@@ -202,7 +208,7 @@ def test_modified_weight_diverges_and_stays_correct(early_replay):
             ref = net(x)
             with sess:
                 y = net(x).cpu()
-            torch.testing.assert_close(y, ref)
+            assert_same_as_local(y, ref)
     assert sess.stats.sequences_identified >= 1
     assert sess.stats.divergences == 1
     # Early: the replay left at the convolution; the changed weight is found at the linear
@@ -218,7 +224,7 @@ def test_early_replay_overlaps_the_checks():
     import threading
     torch.manual_seed(0)
     net = _Net().eval()
-    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
     seen = []   # (thread name, replay n, the program had matched all n calls meanwhile)
     sess = None
 
@@ -240,7 +246,7 @@ def test_early_replay_overlaps_the_checks():
             ref = net(x)
             with sess:
                 y = net(x).cpu()
-            torch.testing.assert_close(y, ref)
+            assert_same_as_local(y, ref)
     assert sess.stats.early_replays >= 2 and sess.stats.early_dropped == 0
     # The first replay of the sequence goes at its end (it learns what the program holds).
     assert sess.stats.replays == sess.stats.early_replays + 1
@@ -268,8 +274,8 @@ def test_early_replay_stops_after_repeated_misses():
             with sess:
                 y = net(x).cpu()
                 hidden = net.hidden.cpu()
-            torch.testing.assert_close(y, ref)
-            torch.testing.assert_close(hidden, ref_hidden)
+            assert_same_as_local(y, ref)
+            assert_same_as_local(hidden, ref_hidden)
     assert sess.stats.early_dropped == EARLY_MAX_MISSES and sess.stats.early_replays == 0
     replayed = [i for i in sess.stats.inferences if i.phase == "replaying"]
     assert [i.round_trips for i in replayed][-2:] == [1, 1]
@@ -331,8 +337,8 @@ def test_early_replay_not_used_when_the_program_holds_more():
                 # read after the sequence (from frame 5: not during recording, so not
                 # fetched with the reply): needs the server to have kept it
                 hidden = net.hidden.cpu() if i >= 5 else ref_hidden
-            torch.testing.assert_close(y, ref)
-            torch.testing.assert_close(hidden, ref_hidden)
+            assert_same_as_local(y, ref)
+            assert_same_as_local(hidden, ref_hidden)
             counts.append((sess.stats.early_replays, sess.stats.early_dropped))
     # frame 3: the first replay (at the end); 4: early; 5: dropped; 6, 7: early again
     assert counts[3:] == [(0, 0), (1, 0), (1, 1), (2, 1), (3, 1)], counts
@@ -346,7 +352,7 @@ def _frame(sess, f, x) -> int:
     before = sess.stats.round_trips
     with sess:
         y = f(x).cpu()
-    torch.testing.assert_close(y, ref)
+    assert_same_as_local(y, ref)
     return sess.stats.round_trips - before
 
 
@@ -440,7 +446,7 @@ def _ops_request(args, tensors=(), session="s1"):
      StatusCode.BAD_REQUEST),
 ])
 def test_server_refuses_bad_ops_requests(args, code):
-    server = OffloadServer(ServerConfig(device="cpu", max_session_mib=64))
+    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_session_mib=64))
     resp = server.handle("compute", _ops_request(args))
     assert resp.status == code, resp.status_text
     ok = server.handle("compute", _ops_request({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [2]}]}, "k": {}}]}))
@@ -448,7 +454,7 @@ def test_server_refuses_bad_ops_requests(args, code):
 
 
 def test_server_can_refuse_transparent_sessions():
-    server = OffloadServer(ServerConfig(device="cpu", transparent=False))
+    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, transparent=False))
     resp = server.handle("compute", _ops_request({"ops": []}))
     assert resp.status == StatusCode.UNAUTHORIZED
 
@@ -461,7 +467,7 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
     early replay leaves at the first operator, so there the server dies just before it.)"""
     torch.manual_seed(0)
     net = _Net().eval()
-    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
     server = transport.server
     sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
                          local_fallback=True, retry_interval_s=0.05, timeout_s=2.0,
@@ -477,7 +483,7 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
                 if i in (4, 8):
                     transport.server = None       # the server dies mid-inference
                 y = net.b(h.mean(dim=(2, 3))).cpu()
-            torch.testing.assert_close(y, ref)
+            assert_same_as_local(y, ref)
             if i in (4, 8):
                 assert sess.down.is_set()
                 remote_before = sess.stats.ops_remote

@@ -73,6 +73,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="record_replay (RRTO, default) or transparent (one request per operator)")
     ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
     ap.add_argument("--inproc", action="store_true", help="run the server in this process (no ROS; for tests)")
+    ap.add_argument("--inproc-device", default="cpu",
+                    help="the in-process server's device (cpu, cuda, auto; default cpu)")
     ap.add_argument("--timeout-s", type=float, default=30.0,
                     help="deadline of one server call (s); past it the program goes on on the robot")
     ap.add_argument("--retry-interval-s", type=float, default=0.5,
@@ -114,7 +116,7 @@ def _default_call(args):
     if args.inproc:
         from robot_offload.server import OffloadServer, ServerConfig
         from robot_offload.transport.inproc import InProcessTransport
-        transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+        transport = InProcessTransport(OffloadServer(ServerConfig(device=args.inproc_device)))
     else:
         from robot_offload.ros.transport import RosServiceTransport   # rospy only when used
         transport = RosServiceTransport(args.server_ns)
