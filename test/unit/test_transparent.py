@@ -165,6 +165,20 @@ def test_client_early_replay_parameter(shared_server, early_replay):
         client.close()
 
 
+def test_an_input_tensor_passed_again_is_replayed(shared_server):
+    """A program that passes the same input tensor object again (frames cycled, the same
+    image twice) finds its upload cached: the sequence's start must still take it as the
+    input, not as a constant, and replay in one round trip (it went op by op before)."""
+    client = _client(shared_server, "resnet18", "record_replay")
+    try:
+        frames = [client.spec.example_input(client.input_size, seed=i) for i in range(3)]
+        trips = [_offloaded_equals_local(client, "record_replay", frames[i % 3]).round_trips
+                 for i in range(9)]
+        assert trips[3:] == [1] * 6, trips
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("model", ["resnet18", "kapao_l", "agrnav"])
 def test_registry_models_transparent_equals_local(shared_server, model):
     client = _client(shared_server, model, "transparent")

@@ -689,6 +689,12 @@ class RemoteSession:
                         self.stats.sequences_identified += 1
                         log.info("identified an operator sequence of %d operators (%s)", seq.n_ops, seq.seq_id)
                 seq = self.recorder.sequences.get(probe[0])
+                if seq is None and probe[1]:
+                    # The program may pass a robot tensor it passed before (the same input
+                    # object again): its upload is cached, so the key above took it for a
+                    # constant. Try it as the sequence's input.
+                    alt = self._probe_key(name, args, kwargs, reused_as_input=True)
+                    seq = self.recorder.sequences.get(alt[0]) if alt is not None else None
                 if seq is not None:
                     self._spec = _Speculation(seq)
                     self.stats.inferences.append(InferenceCount("replaying"))
@@ -703,9 +709,11 @@ class RemoteSession:
             self.stats.inferences.append(InferenceCount("recording"))
         return self._transparent(func, args, kwargs, record=True)
 
-    def _probe_key(self, name, args, kwargs):
+    def _probe_key(self, name, args, kwargs, reused_as_input: bool = False):
         """(start key, is_root) of an operator about to be recorded, or None when one of
-        its tensors cannot be referenced without a round trip."""
+        its tensors cannot be referenced without a round trip. With ``reused_as_input``,
+        robot tensors other than parameters count as new in this inference even when
+        their upload is cached."""
         root = True
 
         def ref(t):
@@ -717,7 +725,7 @@ class RemoteSession:
                 if r[0] == "op":
                     root = False
                 return r
-            h = self._cached_handle(t)
+            h = None if reused_as_input and not isinstance(t, torch.nn.Parameter) else self._cached_handle(t)
             return ("up", -1 if h is None else h, wire.tensor_meta(t))
         try:
             a = wire.encode(list(args), ref)
