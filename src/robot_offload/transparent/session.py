@@ -87,6 +87,9 @@ _MATERIALIZING = frozenset({"numpy", "tolist", "__array__", "__repr__", "__forma
                             "__dlpack__", "pin_memory", "__deepcopy__"})
 
 _current: "Optional[RemoteSession]" = None
+#: Argument types the record holds as they are (wire.encode returns them unchanged; a float
+#: only when finite, and an equal float is finite since the record holds others as dicts).
+_PLAIN_SCALARS = (int, bool, str, float)
 
 
 class RemoteTensor(torch.Tensor):
@@ -122,11 +125,15 @@ class RemoteTensor(torch.Tensor):
             args, kwargs = tree_map(lambda a: sess.materialize(a) if isinstance(a, RemoteTensor) else a,
                                     (args, kwargs))
             return func(*args, **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        # Every operator on a proxy passes here: the C implementation of "run it with
+        # subclass overrides off" is cheaper than a Python context manager around the call.
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for a in args:          # usually a positional argument: no walk of the whole tree
+            if type(a) is RemoteTensor:
+                return a._session.dispatch(func, args, kwargs or {})
         sess = next(a._session for a in wire.leaves((args, kwargs or {})) if isinstance(a, RemoteTensor))
         return sess.dispatch(func, args, kwargs or {})
 
@@ -829,6 +836,8 @@ class RemoteSession:
 
     def _match(self, expected, actual, spec, bind, j):
         """Compare one argument with the record; Mismatch if it differs."""
+        if type(expected) is type(actual) and type(actual) in _PLAIN_SCALARS and expected == actual:
+            return     # the common case (strides, paddings, flags), without encoding it
         if isinstance(expected, dict) and len(expected) == 1 and "t" in expected:
             if not isinstance(actual, torch.Tensor):
                 raise Mismatch(f"operator {j}: a tensor argument is now {type(actual).__name__}")
