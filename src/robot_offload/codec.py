@@ -11,6 +11,15 @@ Wire format (one :class:`EncodedTensor`, mirrored by ``msg/Tensor.msg``):
 * ``int7`` .. ``int2`` -- the same affine quantisation with ``2**b - 1`` steps, packed densely:
   element ``i`` occupies bits ``i*b .. i*b+b-1`` of the payload (least significant bit
   first), so ``ceil(numel * b / 8)`` bytes; unused bits of the last byte are zero.
+* ``int8c`` -- uint8 with an offset and a step per channel (dimension 1; a tensor of fewer
+  dimensions is one channel): ``real = offset[c] + q * step[c]``, the channel's range taken
+  from this tensor. The payload starts with the ``C`` offsets, then the ``C`` steps (float32,
+  little endian), then one byte per element; ``scale`` holds the largest step. Absolute
+  error <= step / 2 plus float32 rounding of the offset. Channels differ in range (the
+  normalised colours of an image; feature maps), and a range taken per channel is not
+  widened to include 0: an image normalised from 8-bit values (``(k/255 - mean_c) / std_c``)
+  comes back to float32 rounding, where the per-tensor ``int8`` errs up to half a step of
+  the widest channel. Zeros stay exact where a channel's minimum is 0 (ReLU outputs).
 
 Compression, after the codec (the encoder falls back to ``none`` when compressing would
 not make the payload smaller, so a compressed tensor never costs more than an uncompressed
@@ -44,7 +53,9 @@ from robot_offload.errors import CodecError
 
 #: Integer codecs and their bit widths (affine quantisation with an input-specific scale).
 INT_BITS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2}
-CODECS = ("raw", "float16") + tuple(INT_BITS)
+#: Integer codecs with an offset and a step per channel, and their bit widths.
+PER_CHANNEL_BITS = {"int8c": 8}
+CODECS = ("raw", "float16") + tuple(INT_BITS) + tuple(PER_CHANNEL_BITS)
 COMPRESSIONS = ("none", "zstd", "bitshuffle_zstd")
 #: Largest decoded payload accepted by default (bytes). Servers and clients configure theirs.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
@@ -94,17 +105,72 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def quant_bits(codec: str):
+    """Bit width of an integer codec (per tensor or per channel); None for raw and float16."""
+    return INT_BITS.get(codec, PER_CHANNEL_BITS.get(codec))
+
+
 def _element_bits(dtype: str, codec: str) -> int:
-    """Bits one element occupies in the (uncompressed) payload."""
+    """Bits one element occupies in the (uncompressed) payload, after its header."""
     if codec == "float16":
         return 16
-    if codec in INT_BITS:
-        return INT_BITS[codec]
+    if quant_bits(codec) is not None:
+        return quant_bits(codec)
     return 8 * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def _payload_size(numel: int, dtype: str, codec: str) -> int:
-    return (numel * _element_bits(dtype, codec) + 7) // 8
+def channels(shape: Sequence[int]) -> int:
+    """Channels of a per-channel codec: dimension 1, or one for fewer dimensions."""
+    return int(shape[1]) if len(shape) >= 2 else 1
+
+
+def _header_size(shape: Sequence[int], codec: str) -> int:
+    """Bytes before the elements: a per-channel codec's offsets and steps (float32 each)."""
+    return 8 * channels(shape) if codec in PER_CHANNEL_BITS else 0
+
+
+def _payload_size(shape: Sequence[int], dtype: str, codec: str) -> int:
+    return _header_size(shape, codec) + (_numel(shape) * _element_bits(dtype, codec) + 7) // 8
+
+
+def _channel_view(t: torch.Tensor, per_channel: torch.Tensor) -> torch.Tensor:
+    """``per_channel`` (C values) shaped to broadcast along dimension 1 of ``t``."""
+    return per_channel.view([1, -1] + [1] * (t.dim() - 2)) if t.dim() >= 2 else per_channel
+
+
+def _encode_per_channel(tf: torch.Tensor, bits: int):
+    """(header + elements, largest step) of a per-channel integer codec; see the module
+    docstring. Offsets and steps are rounded to float32 before quantising, so decoding uses
+    exactly the values the elements were quantised with."""
+    levels = (1 << bits) - 1
+    c = channels(tf.shape)
+    if c == 0:
+        return b"", 1.0
+    rows = tf.transpose(0, 1).reshape(c, -1) if tf.dim() >= 2 else tf.reshape(1, -1)
+    if rows.shape[1] == 0:
+        lo = hi = torch.zeros(c)
+    else:
+        lo, hi = rows.min(dim=1).values, rows.max(dim=1).values
+    step = (hi - lo) / levels
+    step = torch.where(step > 0, step, torch.ones_like(step))   # a constant channel: q = 0
+    q = torch.clamp(torch.round((tf - _channel_view(tf, lo)) / _channel_view(tf, step)), 0, levels)
+    header = lo.numpy().astype("<f4").tobytes() + step.numpy().astype("<f4").tobytes()
+    return header + _to_bytes(q.to(torch.uint8)), (float(step.max()) if c else 1.0)
+
+
+def _decode_per_channel(enc: "EncodedTensor", payload: bytes, shape: List[int]) -> torch.Tensor:
+    c = channels(shape)
+    lo = np.frombuffer(payload, dtype="<f4", count=c, offset=0).astype(np.float32)
+    step = np.frombuffer(payload, dtype="<f4", count=c, offset=4 * c).astype(np.float32)
+    # The steps must be the ones ``scale`` (and so :func:`tolerance`) promises.
+    if not (np.isfinite(lo).all() and np.isfinite(step).all() and (step > 0).all()
+            and (step <= enc.scale * (1 + 1e-6)).all()):
+        raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} offsets or steps "
+                         f"(non-finite, not positive, or above scale={enc.scale})")
+    body = payload[8 * c:]
+    q = (torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.zeros(0)).reshape(shape).float()
+    out = _channel_view(q, torch.from_numpy(lo)) + q * _channel_view(q, torch.from_numpy(step))
+    return out.to(_DTYPES[enc.dtype])
 
 
 #: Elements per block of the bit-level transforms (a multiple of 8, so that every block but
@@ -205,12 +271,18 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
         zero_point = int(min(levels, max(0, round(-lo / scale))))
         q = torch.clamp(torch.round(tf / scale) + zero_point, 0, levels).to(torch.uint8)
         payload = _to_bytes(q) if bits == 8 else _pack_bits(q.reshape(-1).numpy(), bits)
+    elif codec in PER_CHANNEL_BITS:
+        tf = t.to(torch.float32)
+        if t.numel() and not bool(torch.isfinite(tf).all()):
+            raise CodecError(f"tensor {name!r} has non-finite values; {codec} cannot encode them")
+        payload, scale = _encode_per_channel(tf, PER_CHANNEL_BITS[codec])
     else:
         payload = _to_bytes(t)
     raw_size = len(payload)
     shuffled = payload
+    header = _header_size(t.shape, codec)
     if compression == "bitshuffle_zstd" and payload:
-        shuffled = _bitshuffle(payload, t.numel(), _element_bits(dtype, codec))
+        shuffled = payload[:header] + _bitshuffle(payload[header:], t.numel(), _element_bits(dtype, codec))
     if compression in ("zstd", "bitshuffle_zstd"):
         packed = _zstd().ZstdCompressor(level=zstd_level).compress(shuffled)
         if len(packed) < raw_size:
@@ -253,7 +325,7 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
         raise CodecError(f"invalid shape {shape}")
     numel = _numel(shape)
-    expected = _payload_size(numel, enc.dtype, enc.codec)
+    expected = _payload_size(shape, enc.dtype, enc.codec)
     decoded = numel * torch.empty((), dtype=_DTYPES[enc.dtype]).element_size()
     if max(expected, decoded, len(enc.data)) > max_bytes:
         raise PayloadTooLarge(f"tensor {enc.name!r} needs {max(expected, decoded, len(enc.data))} "
@@ -269,6 +341,10 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
         if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= levels:
             raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
                              f"zero_point={enc.zero_point}")
+    if enc.codec in PER_CHANNEL_BITS and not (math.isfinite(enc.scale) and enc.scale > 0
+                                              and enc.zero_point == 0):
+        raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
+                         f"zero_point={enc.zero_point} (zero_point must be 0)")
     return decoded
 
 
@@ -280,7 +356,7 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     check_header(enc, max_bytes)
     shape = [int(s) for s in enc.shape]
     numel = _numel(shape)
-    expected = _payload_size(numel, enc.dtype, enc.codec)
+    expected = _payload_size(shape, enc.dtype, enc.codec)
     payload = bytes(enc.data)
     if enc.compression in ("zstd", "bitshuffle_zstd"):
         try:
@@ -293,7 +369,10 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     if expected == 0:
         return torch.empty(shape, dtype=_DTYPES[enc.dtype])
     if enc.compression == "bitshuffle_zstd":
-        payload = _bitunshuffle(payload, numel, _element_bits(enc.dtype, enc.codec))
+        header = _header_size(shape, enc.codec)
+        payload = payload[:header] + _bitunshuffle(payload[header:], numel, _element_bits(enc.dtype, enc.codec))
+    if enc.codec in PER_CHANNEL_BITS:
+        return _decode_per_channel(enc, payload, shape)
     if enc.codec in INT_BITS:
         bits = INT_BITS[enc.codec]
         if bits == 8:
@@ -312,14 +391,17 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
 def tolerance(enc: EncodedTensor) -> float:
     """Largest absolute error decode(enc) can have against the encoded tensor, for
     ``torch.testing.assert_close(atol=...)``; relative-only codecs return 0 (see rtol)."""
-    if enc.codec in INT_BITS:
-        # half a step, plus float32 rounding of values up to 255 steps large
+    if quant_bits(enc.codec) is not None:
+        # half a step, plus float32 rounding of values up to 255 steps large (a per-channel
+        # codec's values are its offset plus up to 255 steps: see RTOL)
         return enc.scale * (0.5 + 1e-3)
     return 0.0
 
 
-#: Relative tolerance of each codec (for assert_close's rtol).
-RTOL = {"raw": 0.0, "float16": 2.0 ** -11, **{c: 0.0 for c in INT_BITS}}
+#: Relative tolerance of each codec (for assert_close's rtol): a per-channel codec's offset
+#: need not be near 0, so float32 rounding of the value itself (2**-23, with margin) counts.
+RTOL = {"raw": 0.0, "float16": 2.0 ** -11, **{c: 0.0 for c in INT_BITS},
+        **{c: 2.0 ** -21 for c in PER_CHANNEL_BITS}}
 
 
 class PayloadTooLarge(CodecError):

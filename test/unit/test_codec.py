@@ -191,7 +191,7 @@ def test_bitshuffle_round_trip_is_exact_for_raw(dtype):
     assert torch.equal(decode(enc), x)
 
 
-@pytest.mark.parametrize("name", ["float16"] + list(codec.INT_BITS))
+@pytest.mark.parametrize("name", ["float16"] + list(codec.INT_BITS) + list(codec.PER_CHANNEL_BITS))
 @pytest.mark.parametrize("shape", [(1,), (13,), (2, 3, 5), (codec.BIT_BLOCK + 3,)])
 def test_bitshuffle_changes_nothing_but_the_size(name, shape):
     x = torch.relu(torch.randn(shape))
@@ -266,3 +266,57 @@ def test_incompressible_payloads_go_uncompressed(compression):
     assert torch.equal(decode(enc), x)
     small = encode(torch.randn(3), compression=compression)
     assert small.compression == "none" and small.nbytes == 12
+
+
+# --- per-channel integer codec ------------------------------------------------------------
+
+def test_int8c_gives_an_image_normalised_from_8_bits_back():
+    """A camera image normalised per colour (the models' input) has 256 levels per channel
+    at each channel's own spacing: int8c returns it to float32 rounding, in a quarter of the
+    bytes plus 8 per channel, where per-tensor int8 errs up to half a step of the widest."""
+    from robot_offload.models import get_spec
+    x = get_spec("vgg19").example_input((64, 48), seed=5)
+    enc = encode(x, codec="int8c")
+    assert enc.nbytes == x.numel() + 8 * 3
+    y = decode(enc)
+    torch.testing.assert_close(y, x, rtol=codec.RTOL["int8c"], atol=1e-6)
+    assert (decode(encode(x, codec="int8")) - x).abs().max() > 100 * (y - x).abs().max()
+
+
+def test_int8c_bounds_each_channel_by_its_own_step():
+    g = torch.Generator().manual_seed(1)
+    ranges = torch.tensor([0.01, 1.0, 100.0])
+    x = torch.randn(2, 3, 7, 5, generator=g) * ranges.view(1, 3, 1, 1) + torch.tensor([50.0, 0, -3]).view(1, 3, 1, 1)
+    for comp in codec.COMPRESSIONS:
+        enc = encode(x, codec="int8c", compression=comp)
+        y = decode(enc)
+        for c in range(3):
+            xc = x[:, c]
+            step = float(xc.max() - xc.min()) / 255
+            err = float((y[:, c] - xc).abs().max())
+            assert err <= step * (0.5 + 1e-3) + codec.RTOL["int8c"] * float(xc.abs().max()), (c, err, step)
+        assert enc.scale == pytest.approx(float((x[:, 2].max() - x[:, 2].min()) / 255), rel=1e-6)
+    relu = torch.relu(torch.randn(1, 4, 9, 9, generator=g))
+    assert torch.all(decode(encode(relu, codec="int8c"))[relu == 0] == 0)   # min 0: zeros exact
+
+
+def test_decode_refuses_bad_int8c_headers():
+    import numpy as np
+    x = torch.randn(1, 2, 4, 4)
+    enc = encode(x, codec="int8c")
+
+    def with_header(lo, step):
+        head = np.asarray(lo, "<f4").tobytes() + np.asarray(step, "<f4").tobytes()
+        return _set(enc, data=head + enc.data[16:])
+    with pytest.raises(CodecError, match="int8c"):
+        decode(with_header([0, 0], [enc.scale * 2, enc.scale]))       # a step above scale
+    with pytest.raises(CodecError, match="int8c"):
+        decode(with_header([float("nan"), 0], [enc.scale, enc.scale]))
+    with pytest.raises(CodecError, match="int8c"):
+        decode(with_header([0, 0], [0.0, enc.scale]))
+    for scale, zp in ((0.0, 0), (float("inf"), 0), (enc.scale, 3)):
+        with pytest.raises(CodecError, match="int8c"):
+            decode(_set(enc, scale=scale, zero_point=zp))
+    with pytest.raises(CodecError, match="does not match"):
+        decode(_set(enc, shape=[1, 4, 2, 4]))      # same elements, other channels: header size
+    decode(with_header([0, 0], [enc.scale, enc.scale]))

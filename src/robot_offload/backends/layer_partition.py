@@ -304,7 +304,7 @@ def frame_codec(plan, cut_prof, tensors, cfg: PlannerConfig) -> str:
     range wider than in calibration by a ratio that takes the scaled error past the
     budget. (Plans forced past the budget, :func:`~robot_offload.partition.planner.plan_for`,
     are left alone.)"""
-    if plan.codec not in codec.INT_BITS or not admits(cfg, plan.error):
+    if codec.quant_bits(plan.codec) is None or not admits(cfg, plan.error):
         return plan.codec
     ratio = cut_prof.range_ratio(tensors)
     if ratio > 1.0 and not admits(cfg, plan.error * ratio):

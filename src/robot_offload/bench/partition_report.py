@@ -75,7 +75,7 @@ def agreement(backend: LayerPartitionBackend, st, metas, plans, n: int) -> List[
                     backend.graph.tail_module(cut)(*dec, *backend.graph.static_values(cut, metas))
             agree += int(y.argmax(-1).item() == ref.argmax(-1).item())
         out.append(f"- {p.describe()}: top-1 agreement {agree}/{n} ({100 * agree / n:.1f} %), "
-                   f"bytes on the wire {raw_bytes / max(wire_bytes, 1):.1f}x smaller than raw float32")
+                   f"bytes on the wire {raw_bytes / max(wire_bytes, 1):.3f}x smaller than raw float32")
     return out
 
 

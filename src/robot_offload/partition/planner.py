@@ -138,8 +138,9 @@ class Plan:
 
 
 def output_bytes(profile: Profile, output_codec: str) -> float:
-    """Bytes of the outputs as the server encodes them (uncompressed)."""
-    bits = {"raw": None, "float16": 16, **codec.INT_BITS}[output_codec]
+    """Bytes of the outputs as the server encodes them (uncompressed; without a per-channel
+    codec's 8 bytes per channel, which the profile's leaf sizes do not give)."""
+    bits = 16 if output_codec == "float16" else codec.quant_bits(output_codec)
     total = 0
     for numel, dtype in profile.output_leaves:
         floating = dtype in ("float32", "float64", "float16", "bfloat16")
@@ -159,8 +160,8 @@ def output_error_bound(output_codec: str) -> float:
         return 0.0
     if output_codec == "float16":
         return 2.0 ** -11
-    if output_codec in codec.INT_BITS:
-        return (1.0 + 2e-3) / ((1 << codec.INT_BITS[output_codec]) - 1)
+    if codec.quant_bits(output_codec) is not None:     # per channel: each range is narrower
+        return (1.0 + 2e-3) / ((1 << codec.quant_bits(output_codec)) - 1)
     raise ConfigError(f"unknown output codec {output_codec!r}")
 
 

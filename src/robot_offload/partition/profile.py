@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 2     # 2: CutProfile.ranges
 DEFAULT_PROFILE_DIR = os.path.join("~", ".cache", "robot_offload", "profiles")
 #: Codecs and compressions a profile measures by default (DynO: 3..8 bits cover most layers).
-DEFAULT_CODECS = ("raw", "float16", "int8", "int6", "int5", "int4", "int3")
+DEFAULT_CODECS = ("raw", "float16", "int8c", "int8", "int6", "int5", "int4", "int3")
 DEFAULT_COMPRESSIONS = ("none", "zstd", "bitshuffle_zstd")
 LOSSLESS_CODECS = ("raw",)
 
@@ -446,7 +446,8 @@ def build_profile(graph: ModelGraph, model_name: str, weights_hash: str,
     # Step 3: output error of each lossy codec at each candidate cut (DynO's accuracy
     # profile), most bits first; stop once a codec is far beyond any useful tolerance.
     # And the widest range of each crossing tensor, against which frames are checked.
-    lossy = sorted((c for c in codecs if c not in LOSSLESS_CODECS), key=_bits, reverse=True)
+    lossy = sorted((c for c in codecs if c not in LOSSLESS_CODECS),
+                   key=lambda c: (_bits(c), c in codec.PER_CHANNEL_BITS), reverse=True)
     for i in sorted(candidates):
         p, cut = profiles[i], cuts[i]
         if p.kind == OUTPUT_CUT or not lossy:
@@ -477,7 +478,7 @@ def build_profile(graph: ModelGraph, model_name: str, weights_hash: str,
 
 
 def _bits(codec_name: str) -> int:
-    return {"raw": 32, "float16": 16}.get(codec_name, codec.INT_BITS.get(codec_name, 0))
+    return {"raw": 32, "float16": 16}.get(codec_name, codec.quant_bits(codec_name) or 0)
 
 
 def _encodable(t: torch.Tensor, codec_name: str) -> bool:
