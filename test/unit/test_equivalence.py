@@ -39,7 +39,7 @@ def test_full_offload_equals_local(shared_server, model):
         client.close()
 
 
-@pytest.mark.parametrize("input_codec", ["float16", "int8"])
+@pytest.mark.parametrize("input_codec", ["float16", "int8", "int8c"])
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_lossy_input_codec_is_what_the_server_computes_on(shared_server, input_codec, compression):
     """With a lossy codec the server must compute on exactly decode(encode(x)): the only
