@@ -53,4 +53,9 @@ def test_client_node_switches_to_lop(launch, stats):  # noqa: F811
     # The first lop frame profiles the model and solves LOSS (seconds at 64x64).
     _, m = stats.wait_for(lambda m: m.mode == "lop" and m.executed_mode == "lop", 180)
     assert m.plan.startswith("lop") and not m.fallback_reason
-    assert m.round_trips in (1, 2)
+    # lop offloads (1-2 round trips) unless the plan of this bandwidth is the all-local
+    # layer partition: on this machine the "server" is no faster than the robot, and the
+    # server times saved with a cached profile can make LOSS, or the measured choice,
+    # keep the frame local.
+    assert m.round_trips in (1, 2) or (m.round_trips == 0 and "cut=output" in m.plan), \
+        (m.plan, m.round_trips)
