@@ -114,8 +114,9 @@ def _element_bits(dtype: str, codec: str) -> int:
     """Bits one element occupies in the (uncompressed) payload, after its header."""
     if codec == "float16":
         return 16
-    if quant_bits(codec) is not None:
-        return quant_bits(codec)
+    bits = quant_bits(codec)
+    if bits is not None:
+        return bits
     return 8 * torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
@@ -155,7 +156,7 @@ def _encode_per_channel(tf: torch.Tensor, bits: int):
     step = torch.where(step > 0, step, torch.ones_like(step))   # a constant channel: q = 0
     q = torch.clamp(torch.round((tf - _channel_view(tf, lo)) / _channel_view(tf, step)), 0, levels)
     header = lo.numpy().astype("<f4").tobytes() + step.numpy().astype("<f4").tobytes()
-    return header + _to_bytes(q.to(torch.uint8)), (float(step.max()) if c else 1.0)
+    return header + _to_bytes(q.to(torch.uint8)), float(step.max())
 
 
 def _decode_per_channel(enc: "EncodedTensor", payload: bytes, shape: List[int]) -> torch.Tensor:
@@ -259,23 +260,21 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
         if t.numel() and float(t.abs().max()) > _FLOAT16_MAX:
             raise CodecError(f"tensor {name!r} exceeds the float16 range (+-65504); use raw")
         payload = _to_bytes(t.to(torch.float16))
-    elif codec in INT_BITS:
-        bits = INT_BITS[codec]
-        levels = (1 << bits) - 1
+    elif quant_bits(codec) is not None:
+        bits = quant_bits(codec)
         tf = t.to(torch.float32)
         if t.numel() and not bool(torch.isfinite(tf).all()):
             raise CodecError(f"tensor {name!r} has non-finite values; {codec} cannot encode them")
-        lo = min(float(tf.min()), 0.0) if t.numel() else 0.0
-        hi = max(float(tf.max()), 0.0) if t.numel() else 0.0
-        scale = (hi - lo) / levels if hi > lo else 1.0
-        zero_point = int(min(levels, max(0, round(-lo / scale))))
-        q = torch.clamp(torch.round(tf / scale) + zero_point, 0, levels).to(torch.uint8)
-        payload = _to_bytes(q) if bits == 8 else _pack_bits(q.reshape(-1).numpy(), bits)
-    elif codec in PER_CHANNEL_BITS:
-        tf = t.to(torch.float32)
-        if t.numel() and not bool(torch.isfinite(tf).all()):
-            raise CodecError(f"tensor {name!r} has non-finite values; {codec} cannot encode them")
-        payload, scale = _encode_per_channel(tf, PER_CHANNEL_BITS[codec])
+        if codec in PER_CHANNEL_BITS:
+            payload, scale = _encode_per_channel(tf, bits)
+        else:
+            levels = (1 << bits) - 1
+            lo = min(float(tf.min()), 0.0) if t.numel() else 0.0
+            hi = max(float(tf.max()), 0.0) if t.numel() else 0.0
+            scale = (hi - lo) / levels if hi > lo else 1.0
+            zero_point = int(min(levels, max(0, round(-lo / scale))))
+            q = torch.clamp(torch.round(tf / scale) + zero_point, 0, levels).to(torch.uint8)
+            payload = _to_bytes(q) if bits == 8 else _pack_bits(q.reshape(-1).numpy(), bits)
     else:
         payload = _to_bytes(t)
     raw_size = len(payload)
@@ -336,15 +335,13 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     if enc.compression == "none" and len(enc.data) != expected:
         raise CodecError(f"tensor {enc.name!r}: {len(enc.data)} bytes of data, shape {shape} and "
                          f"{enc.dtype}/{enc.codec} need {expected}")
-    if enc.codec in INT_BITS:
-        levels = (1 << INT_BITS[enc.codec]) - 1
-        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= levels:
+    bits = quant_bits(enc.codec)
+    if bits is not None:
+        # per tensor the quantised value of 0.0; per channel unused (the offsets say it): 0
+        zero_point_max = 0 if enc.codec in PER_CHANNEL_BITS else (1 << bits) - 1
+        if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= zero_point_max:
             raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
                              f"zero_point={enc.zero_point}")
-    if enc.codec in PER_CHANNEL_BITS and not (math.isfinite(enc.scale) and enc.scale > 0
-                                              and enc.zero_point == 0):
-        raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
-                         f"zero_point={enc.zero_point} (zero_point must be 0)")
     return decoded
 
 

@@ -160,8 +160,9 @@ def output_error_bound(output_codec: str) -> float:
         return 0.0
     if output_codec == "float16":
         return 2.0 ** -11
-    if codec.quant_bits(output_codec) is not None:     # per channel: each range is narrower
-        return (1.0 + 2e-3) / ((1 << codec.quant_bits(output_codec)) - 1)
+    bits = codec.quant_bits(output_codec)
+    if bits is not None:     # per channel: each range is narrower
+        return (1.0 + 2e-3) / ((1 << bits) - 1)
     raise ConfigError(f"unknown output codec {output_codec!r}")
 
 
