@@ -3,8 +3,9 @@
 Pure (no rospy, no sockets). Rates are bit/s of goodput.
 
 - :class:`TransferSample` + :class:`PassiveEstimator`: every real transfer the client makes
-  (bytes, how long it took) becomes a measured rate; transfers too small to fill the link
-  are ignored and one round trip is taken off the duration when an RTT estimate is known.
+  (bytes, how long it took) becomes a measured rate; transfers too small or too short to
+  show the link's rate are ignored and one round trip is taken off the duration when an
+  RTT estimate is known.
 - Predictors share one interface (``update(t_s, measured_bps)``, ``predict()``,
   ``reset()``, ``name``): :class:`LastValue`, :class:`Ewma`, :class:`HarmonicMean` (the
   FESTIVE / MPC video-streaming estimator), :class:`MedianOfN`, :class:`LogEwma`,
@@ -25,6 +26,11 @@ import numpy as np
 
 #: Transfers smaller than this are latency-bound and say little about bandwidth (bytes).
 MIN_TRANSFER_BYTES = 16 * 1024
+#: Transfers whose time on the link (less the RTT) is shorter than this show a burst, not a
+#: rate (s). A token-bucket shaper lets its bucket through at line rate (the testbed's htb
+#: holds 20 ms of the rate: 250 KB at 100 Mbit/s), and a radio aggregates frames: such
+#: transfers read 1.2-6x the link's rate, which moved plans between bandwidth buckets.
+MIN_TRANSFER_S = 0.005
 #: Rates are floored at this before 1/x or log(x) (bit/s).
 RATE_FLOOR_BPS = 1e3
 #: MAPE ignores instants whose actual rate is below this (bit/s): a relative error against
@@ -221,11 +227,14 @@ class PassiveEstimator:
     """Turns real transfers into measured rates and keeps a predictor up to date.
 
     ``measured = bytes * 8 / (duration - rtt)``; a transfer is ignored (returns None) when
-    it is smaller than ``min_bytes`` or when the RTT leaves less than
+    it is smaller than ``min_bytes``, when the RTT leaves less than
     ``min_effective_fraction`` of its duration (latency-bound: the bytes/time ratio would
-    be mostly noise). The RTT is the one passed with the sample, else the minimum of the
-    recent RTTs from :meth:`observe_rtt` (the base RTT; ``srtt_s``, RFC 6298 smoothing with
-    gain 1/8, is kept for reporting), else none (no correction).
+    be mostly noise), or when what remains is shorter than ``min_duration_s`` (a burst:
+    see :data:`MIN_TRANSFER_S`; a link too fast for the client's transfers to last that
+    long keeps its last estimate, and an active probe grows until it lasts long enough).
+    The RTT is the one passed with the sample, else the minimum of the recent RTTs from
+    :meth:`observe_rtt` (the base RTT; ``srtt_s``, RFC 6298 smoothing with gain 1/8, is
+    kept for reporting), else none (no correction).
 
     The default predictor is :class:`LastValue`: on the synthetic indoor/outdoor traces it
     has the lowest MAE 100 ms ahead (see :func:`evaluate_predictors`); pass another, e.g.
@@ -233,9 +242,12 @@ class PassiveEstimator:
     """
 
     def __init__(self, predictor=None, *, min_bytes=MIN_TRANSFER_BYTES, rtt_gain=0.125,
-                 min_effective_fraction=0.1):
+                 min_effective_fraction=0.1, min_duration_s=MIN_TRANSFER_S):
         self.predictor = predictor if predictor is not None else LastValue()
         self.min_bytes = int(min_bytes)
+        self.min_duration_s = float(min_duration_s)
+        if not self.min_duration_s >= 0:
+            raise ValueError(f"min_duration_s must be >= 0, got {min_duration_s!r}")
         self.rtt_gain = float(rtt_gain)
         self.min_effective_fraction = float(min_effective_fraction)
         self.srtt_s = None
@@ -269,7 +281,7 @@ class PassiveEstimator:
             return None
         rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
         effective = sample.duration_s - (rtt or 0.0)
-        if effective < self.min_effective_fraction * sample.duration_s:
+        if effective < max(self.min_effective_fraction * sample.duration_s, self.min_duration_s):
             return None
         return sample.bytes * 8.0 / effective
 

@@ -81,6 +81,27 @@ def test_passive_estimator_ignores_small_and_corrects_rtt():
     assert e.predictor == "last"
 
 
+def test_passive_estimator_ignores_a_burst_shorter_than_min_duration():
+    """A token bucket passes its burst at line rate: 200 KB through a 100 Mbit/s shaper
+    holding 20 ms of the rate (250 KB) arrives in ~2 ms and would read 800 Mbit/s."""
+    est = bw.PassiveEstimator(bw.LastValue())
+    assert est.min_duration_s == bw.MIN_TRANSFER_S == 0.005
+    assert est.add(bw.TransferSample(1.0, 200_000, 0.002)) is None
+    assert est.ignored == 1 and est.predict_bps() is None
+    # The RTT is taken off before the check: 10 ms, less 6 ms of RTT, is 4 ms on the link.
+    assert est.add(bw.TransferSample(2.0, 200_000, 0.010), rtt_s=0.006) is None
+    # A transfer that outlasts the burst shows the rate: 1.25 MB in 100 ms = 100 Mbit/s.
+    assert est.add(bw.TransferSample(3.0, 1_250_000, 0.100)) == pytest.approx(100e6)
+    # ... and a later burst leaves that estimate alone.
+    assert est.add(bw.TransferSample(4.0, 60_000, 0.0008)) is None
+    assert est.predict_bps() == pytest.approx(100e6) and est.ignored == 3
+    # 0 turns the check off (the 16 KB and latency-bound checks stay).
+    assert bw.PassiveEstimator(min_duration_s=0).measure(
+        bw.TransferSample(0, 200_000, 0.002)) == pytest.approx(800e6)
+    with pytest.raises(ValueError):
+        bw.PassiveEstimator(min_duration_s=-1)
+
+
 def test_passive_estimator_uses_base_rtt_not_queue_inflated_rtt():
     est = bw.PassiveEstimator()
     est.observe_rtt(0.02)

@@ -3,9 +3,12 @@
 Passive: every InferenceStats with server round trips is a real transfer (bytes up +
 down over the time the radio was busy, less one RTT per round trip). Active (optional,
 ``~probe_period_s`` > 0): a Ping carrying ``~probe_bytes`` (echoed back) measures goodput,
-and a small Ping measures RTT; the probes' own traffic is reported as overhead. The
-prediction for the next inference comes from ``~predictor`` and is published as
-BandwidthEstimate at ``~rate_hz`` for the client to plan with.
+and a small Ping measures RTT; a probe too short to show a rate (a shaper's burst, a
+fast link) doubles, up to ``~probe_bytes_max``; the probes' own traffic is reported as
+overhead. Transfers shorter than ``~min_sample_s`` on the link are ignored (see
+``bandwidth.MIN_TRANSFER_S``). The prediction for the next inference comes from
+``~predictor`` and is published as BandwidthEstimate at ``~rate_hz`` for the client to
+plan with.
 """
 
 import math
@@ -14,7 +17,7 @@ import time
 
 import rospy
 
-from robot_offload.bandwidth import PassiveEstimator, TransferSample, make_predictor
+from robot_offload.bandwidth import MIN_TRANSFER_S, PassiveEstimator, TransferSample, make_predictor
 from robot_offload.errors import OffloadError
 from robot_offload.msg import BandwidthEstimate, InferenceStats
 from robot_offload.protocol import PingRequest, raise_for_status
@@ -33,9 +36,11 @@ class BandwidthMonitorNode:
         self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
         self.probe_period_s = float(rospy.get_param("~probe_period_s", 0.0))
         self.probe_bytes = int(rospy.get_param("~probe_bytes", 256 * 1024))
+        self.probe_bytes_max = max(self.probe_bytes, int(rospy.get_param("~probe_bytes_max", 4 * 1024 * 1024)))
         self.probe_timeout_s = float(rospy.get_param("~probe_timeout_s", 2.0))
         predictor = make_predictor(rospy.get_param("~predictor", "default"))
-        self.estimator = PassiveEstimator(predictor)
+        self.estimator = PassiveEstimator(
+            predictor, min_duration_s=float(rospy.get_param("~min_sample_s", MIN_TRANSFER_S)))
         self._lock = threading.Lock()
         self.source = BandwidthEstimate.SOURCE_NONE
         self.probe_bytes_total = 0
@@ -69,17 +74,21 @@ class BandwidthMonitorNode:
         return time.perf_counter() - t0
 
     def _probe_loop(self):
-        payload = bytes(self.probe_bytes)
         while not rospy.is_shutdown():
             try:
                 rtt = self._ping(b"")
                 with self._lock:
                     self.estimator.observe_rtt(rtt)
+                payload = bytes(self.probe_bytes)
                 duration = self._ping(payload)
                 sample = TransferSample(t_s=time.time(), bytes=2 * len(payload), duration_s=duration)
                 with self._lock:
                     if self.estimator.add(sample) is not None:
                         self.source = BandwidthEstimate.SOURCE_PROBE
+                    elif self.probe_bytes < self.probe_bytes_max:
+                        self.probe_bytes = min(2 * self.probe_bytes, self.probe_bytes_max)
+                        rospy.loginfo(f"bandwidth_monitor: probe too short to show a rate; "
+                                      f"now {self.probe_bytes} B")
             except OffloadError as e:
                 rospy.logwarn_throttle(10.0, f"bandwidth_monitor: probe failed: {e}")
             time.sleep(self.probe_period_s)
