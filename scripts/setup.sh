@@ -21,7 +21,7 @@ apt_packages=(
   ros-std-msgs ros-sensor-msgs python3-std-msgs python3-sensor-msgs python3-std-srvs
   ros-geometry-msgs python3-geometry-msgs
   python3-venv python3-zstandard python3-psutil python3-matplotlib python3-tqdm
-  python3-opencv build-essential cmake iproute2 procps
+  python3-opencv build-essential cmake iproute2 util-linux procps
 )
 
 # 1. System packages.

@@ -240,15 +240,37 @@ def test_cpu_limit_slows_a_busy_loop():
 
 @pytest.mark.skipif(not cgroup.available(), reason="no writable cgroup cpu controller")
 def test_run_in_a_namespace_under_a_cpu_limit(tb):
-    show = "import os; print(os.getpid()); print(open('/proc/self/cgroup').read())"
+    """The process is in the side's network namespace and the CPU limit's cgroup, and it
+    can read its quota there (profiles key on it): ``ip netns exec`` remounted /sys, which
+    hid /sys/fs/cgroup, and the robot keyed its profiles as a machine at full speed."""
+    show = ("import os; from robot_offload.partition.profile import machine_id; "
+            "print(os.getpid()); print(machine_id()['cpus']); "
+            "print(os.readlink('/proc/self/ns/net')); print(open('/proc/self/cgroup').read())")
     with CpuLimit(0.5) as lim:
         proc = tb.run("robot", [sys.executable, "-c", show], cpu_limit=lim,
                       stdout=subprocess.PIPE, text=True)
-        out = proc.communicate(timeout=10)[0].splitlines()
+        out = proc.communicate(timeout=60)[0].splitlines()
         group = "/" + os.path.basename(lim.path)
-    assert int(out[0]) == proc.pid  # sh and ip netns exec exec'd into python: one process
-    cpu_lines = [line for line in out[1:] if ":cpu:" in line or line.startswith("0::")]
+    assert int(out[0]) == proc.pid  # sh and nsenter exec'd into python: one process
+    assert out[1] == "0.5", out[1]
+    robot_net = os.stat(os.path.join(netns.NETNS_DIR, tb.robot_ns)).st_ino
+    assert out[2] == f"net:[{robot_net}]" and out[2] != os.readlink("/proc/self/ns/net")
+    cpu_lines = [line for line in out[3:] if ":cpu:" in line or line.startswith("0::")]
     assert any(line.endswith(group) for line in cpu_lines), cpu_lines
+
+
+@pytest.mark.skipif(not cgroup.available(), reason="no writable cgroup cpu controller")
+def test_profile_key_sees_the_cpu_quota():
+    """A profile measured under the robot's quota must not be found by the same machine at
+    full speed, or the other way round: machine_id's "cpus" reads the quota."""
+    show = "from robot_offload.partition.profile import machine_id; print(machine_id()['cpus'])"
+    free = subprocess.run([sys.executable, "-c", show], stdout=subprocess.PIPE, text=True,
+                          check=True).stdout.strip()
+    assert float(free) == len(os.sched_getaffinity(0))
+    with CpuLimit(0.5) as lim:
+        proc = lim.popen([sys.executable, "-c", show], stdout=subprocess.PIPE, text=True)
+        limited = proc.communicate(timeout=60)[0].strip()
+    assert limited == "0.5", limited
 
 
 def _child_with_testbed(action):

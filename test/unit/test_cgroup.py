@@ -113,3 +113,26 @@ def test_own_cgroup_parsing(tmp_path):
     assert cgroup._own_cgroup(123, "cgroup-v1", str(tmp_path)) == "/user.slice"
     assert cgroup._own_cgroup(123, "cgroup-v2", str(tmp_path)) == "/system.slice/x"
     assert cgroup._own_cgroup(999, "cgroup-v1", str(tmp_path)) == "/"
+
+
+def test_quota_cpus_is_the_smallest_quota_on_the_path(tmp_path):
+    """v1: a group at 0.5 CPU under a parent at 1.5 reads 0.5; "-1" is no quota. v2: a
+    cpu.max of "max" is none, and a parent's 25000/100000 caps a child's unlimited."""
+    proc = tmp_path / "proc" / "7"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("4:cpu,cpuacct:/bench/robot\n0::/a/b\n")
+    v1 = tmp_path / "v1"
+    for d, quota in ((v1, "-1"), (v1 / "bench", "150000"), (v1 / "bench" / "robot", "50000")):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.cfs_quota_us").write_text(quota)
+        (d / "cpu.cfs_period_us").write_text("100000")
+    v2 = tmp_path / "v2"
+    (v2 / "a" / "b").mkdir(parents=True)
+    (v2 / "a" / "b" / "cpu.max").write_text("max 100000")
+    none = tmp_path / "none"
+    assert cgroup.quota_cpus(7, str(v1), str(none), str(tmp_path / "proc")) == pytest.approx(0.5)
+    assert cgroup.quota_cpus(7, str(none), str(v2), str(tmp_path / "proc")) is None
+    (v2 / "a" / "cpu.max").write_text("25000 100000")
+    assert cgroup.quota_cpus(7, str(none), str(v2), str(tmp_path / "proc")) == pytest.approx(0.25)
+    assert cgroup.quota_cpus(7, str(v1), str(v2), str(tmp_path / "proc")) == pytest.approx(0.25)
+    assert cgroup.quota_cpus(8, str(none), str(none), str(tmp_path / "proc")) is None

@@ -32,8 +32,8 @@ this simplification ignores. The input and output cuts are always candidates.
 
 Profiles are cached as JSON (never pickle) under ``~/.cache/robot_offload/profiles`` (or
 ``profile_dir``), keyed by the weights hash, the machine (host, CPU model, torch version,
-device, threads), the input shape and the profiling options; :func:`load_or_build` with
-``refresh=True`` measures again.
+device, threads, the CPUs it may use), the input shape and the profiling options;
+:func:`load_or_build` with ``refresh=True`` measures again.
 """
 
 import hashlib
@@ -113,8 +113,23 @@ def output_error(y, ref) -> float:
     return worst
 
 
+def cpu_budget() -> str:
+    """The CPUs this process may use: its affinity, capped by its cgroup's CPU quota
+    ("0.5" under the testbed's robot quota, "2" without). Without it a profile measured at
+    full speed and one measured under a quota shared a key, and the robot planned with
+    timings 2-4x too fast."""
+    from robot_offload.testbed.cgroup import quota_cpus
+    n = float(len(os.sched_getaffinity(0)))
+    try:
+        quota = quota_cpus()
+    except (OSError, ValueError):   # an unreadable cgroup tree must not stop profiling
+        quota = None
+    return f"{n if quota is None else min(n, quota):g}"
+
+
 def machine_id(device: str = "cpu") -> Dict[str, str]:
-    """What makes timings of this machine comparable: host, CPU model, torch, device, threads."""
+    """What makes timings of this machine comparable: host, CPU model, torch, device,
+    threads, and the CPUs it may use (:func:`cpu_budget`)."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -128,7 +143,7 @@ def machine_id(device: str = "cpu") -> Dict[str, str]:
     if dev.startswith("cuda") and torch.cuda.is_available():
         dev += ":" + torch.cuda.get_device_name(torch.device(dev))
     return {"host": socket.gethostname(), "cpu": cpu, "torch": torch.__version__,
-            "device": dev, "threads": str(torch.get_num_threads())}
+            "device": dev, "threads": str(torch.get_num_threads()), "cpus": cpu_budget()}
 
 
 def profile_key(weights_hash: str, machine: Dict[str, str], input_shape: Sequence[int],

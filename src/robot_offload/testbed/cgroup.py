@@ -134,6 +134,34 @@ def _own_cgroup(pid, kind, proc_root="/proc"):
     return "/"
 
 
+def quota_cpus(pid="self", v1_root=V1_ROOT, v2_root=V2_CANDIDATES[0], proc_root="/proc"):
+    """The CPU quota a process runs under, in CPUs (0.5 = half a core), or None for none:
+    the smallest quota of its cgroup and the cgroups above it, v1 ``cpu`` or v2
+    ``cpu.max``. Profiles key on it (with the CPUs the process may run on): the same
+    machine under another quota is, for timings, another machine."""
+    best = None
+    for kind, root in (("cgroup-v1", v1_root), ("cgroup-v2", v2_root)):
+        path = _own_cgroup(pid, kind, proc_root)
+        while True:
+            d = os.path.join(root, path.lstrip("/"))
+            try:
+                if kind == "cgroup-v1":
+                    quota = int(_read(os.path.join(d, "cpu.cfs_quota_us")))
+                    period = int(_read(os.path.join(d, "cpu.cfs_period_us")))
+                    quota = None if quota < 0 else quota
+                else:
+                    quota, period = parse_cpu_max(_read(os.path.join(d, "cpu.max")))
+            except (OSError, ValueError):
+                quota = None
+            if quota is not None and period > 0:
+                cpus = quota / period
+                best = cpus if best is None else min(best, cpus)
+            if path in ("", "/"):
+                break
+            path = os.path.dirname(path.rstrip("/")) or "/"
+    return best
+
+
 class CpuLimit:
     """A cgroup with a CPU quota, holding the given pids; see the module docstring.
 

@@ -73,6 +73,8 @@ from robot_offload.testbed._common import (
 log = logging.getLogger(__name__)
 
 SIDES = ("robot", "server")
+#: where `ip netns add` keeps named network namespaces (nsenter --net takes the path)
+NETNS_DIR = "/run/netns"
 #: Slowest rate a qdisc is set to; a trace's "zero" becomes this (bit/s).
 MIN_RATE_BPS = 10_000.0
 #: Fastest rate accepted (bit/s).
@@ -527,18 +529,23 @@ class Testbed:
 
     # -- processes --------------------------------------------------------------------
     def run(self, side, argv, env=None, cpu_limit=None, **popen_kwargs):
-        """Start ``argv`` in a side's namespace (``ip netns exec``); returns the Popen.
+        """Start ``argv`` in a side's network namespace; returns the Popen.
 
-        ``env`` entries are added to this process's environment. With ``cpu_limit`` (an
-        open :class:`~robot_offload.testbed.cgroup.CpuLimit`) the process is in that
-        cgroup from its start, children included (a shell joins it, from the host's view
-        of /sys, then execs ``ip netns exec``). The process gets its own session and is
-        terminated (with its process group) by ``close()``.
+        The process enters only the network namespace (``nsenter --net``), not the
+        mount namespace ``ip netns exec`` makes: that one remounts /sys, which hides
+        /sys/fs/cgroup, so a robot under the testbed's CPU quota could not read its quota
+        and keyed its profiles as a machine at full speed. ``env`` entries are added to
+        this process's environment. With ``cpu_limit`` (an open
+        :class:`~robot_offload.testbed.cgroup.CpuLimit`) the process is in that cgroup
+        from its start, children included (a shell joins it, then execs ``nsenter``).
+        The process gets its own session and is terminated (with its process group) by
+        ``close()``.
         """
         self._require_open()
         _check_side(side)
         argv = [str(a) for a in argv]
-        cmd = ["ip", "netns", "exec", self.ns(side), *argv] if self.shaped else argv
+        cmd = (["nsenter", f"--net={os.path.join(NETNS_DIR, self.ns(side))}", "--", *argv]
+               if self.shaped else argv)
         if cpu_limit is not None:
             cmd = cpu_limit.wrap(cmd)
         if env is not None:
@@ -631,9 +638,9 @@ def _cannot_namespace():
     """Why namespaces cannot be used here, or None if they can (probably)."""
     if os.geteuid() != 0:
         return f"not root (uid {os.geteuid()}); network namespaces and tc need root"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nsenter", "util-linux")):
         if shutil.which(tool) is None:
-            return f"'{tool}' not found (install iproute2)"
+            return f"'{tool}' not found (install {package})"
     return None
 
 
