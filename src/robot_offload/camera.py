@@ -1,6 +1,7 @@
 """Frame sources for camera_node: a synthetic moving pattern (the default, so the demo
-needs no hardware), a folder of images, a video file or a V4L2 device. All return RGB
-uint8 H x W x 3 arrays; ``read()`` returns None at the end of a non-looping source."""
+needs no hardware), natural-statistics noise (``natural``: what compression sees in a
+photograph, not in a flat pattern), a folder of images, a video file or a V4L2 device.
+All return RGB uint8 H x W x 3 arrays; ``read()`` returns None at the end of a non-looping source."""
 
 import glob
 import os
@@ -51,6 +52,50 @@ class SyntheticSource:
         for cx, cy, s in self._rects:
             depth[cy:cy + s, cx:cx + s] = objects_m
         return depth
+
+    def close(self):
+        pass
+
+
+def natural_image(height: int, width: int, seed: int = 0, sensor_noise_dn: float = 2.0) -> np.ndarray:
+    """A uint8 H x W x 3 image with the statistics that matter to a codec, where neither
+    uniform noise (incompressible) nor :class:`SyntheticSource` (flat squares: zstd takes
+    it 100x or more) is a fair stand-in for a camera frame: an amplitude spectrum falling
+    as 1/f (natural images' power law), colour channels sharing most of their structure
+    (a luminance field plus two weaker chroma fields), and Gaussian sensor noise of
+    ``sensor_noise_dn`` digital numbers before quantisation. Deterministic per seed."""
+    if height <= 0 or width <= 0:
+        raise ConfigError(f"image size must be positive, got {width}x{height}")
+    rng = np.random.default_rng(seed)
+    fy = np.fft.fftfreq(height)[:, None]
+    fx = np.fft.rfftfreq(width)[None, :]
+    f = np.hypot(fx, fy)
+    f[0, 0] = np.inf                      # no DC term: each field has mean 0
+
+    def field():
+        phase = rng.uniform(0.0, 2 * np.pi, f.shape)
+        x = np.fft.irfft2(np.exp(1j * phase) / f, s=(height, width))
+        return x / max(float(x.std()), 1e-12)
+
+    lum, c1, c2 = field(), field(), field()
+    rgb = np.stack([lum + 0.35 * c1, lum - 0.2 * c1 + 0.2 * c2, lum - 0.35 * c2], axis=2)
+    img = 118.0 + 48.0 * rgb + rng.normal(0.0, sensor_noise_dn, rgb.shape)
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+class NaturalSource:
+    """:func:`natural_image` frames, a new one per index (seed + index): deterministic, so
+    two runs or two modes see the same frames."""
+
+    def __init__(self, width: int = 640, height: int = 480, seed: int = 0):
+        if width <= 0 or height <= 0:
+            raise ConfigError(f"natural size must be positive, got {width}x{height}")
+        self.width, self.height, self.seed = width, height, seed
+        self.index = 0
+
+    def read(self) -> np.ndarray:
+        self.index += 1
+        return natural_image(self.height, self.width, self.seed + self.index - 1)
 
     def close(self):
         pass
@@ -120,12 +165,15 @@ def pinhole_k(width: int, height: int, hfov_deg: float) -> list:
 
 
 def open_source(source: str, width: int = 640, height: int = 480, loop: bool = True, seed: int = 0):
-    """``synthetic``, a folder of images, a video file, ``/dev/videoN`` or a device index."""
+    """``synthetic``, ``natural``, a folder of images, a video file, ``/dev/videoN`` or a
+    device index."""
     if source in ("", "synthetic"):
         return SyntheticSource(width, height, seed)
+    if source == "natural":
+        return NaturalSource(width, height, seed)
     if os.path.isdir(source):
         return FolderSource(source, loop)
     if source.startswith("/dev/video") or source.isdigit() or os.path.isfile(source):
         return VideoSource(source, loop, width, height)
-    raise ConfigError(f"unknown camera source {source!r}: use synthetic, a folder, a video file "
+    raise ConfigError(f"unknown camera source {source!r}: use synthetic, natural, a folder, a video file "
                       f"or /dev/videoN")

@@ -1,6 +1,11 @@
 """The benchmark report's comparison, prediction and compute-ratio tables, on rows whose
 medians are known."""
 
+import os
+import time
+
+import pytest
+
 from robot_offload.bench.report import comparison_table, compute_ratio_table, prediction_table
 
 
@@ -41,3 +46,72 @@ def test_prediction_error_and_plans():
 def test_compute_ratio():
     table = compute_ratio_table(_rows())
     assert "| m | 1100 | 250 | 4.40 |" in table
+
+
+def test_side_cpus_split_robot_from_server():
+    from robot_offload.bench.runner import side_cpus
+    from robot_offload.errors import ConfigError
+    assert side_cpus({3, 1, 2}) == {"robot": "1", "server": "2,3"}
+    with pytest.raises(ConfigError):
+        side_cpus({0})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pinned_runner_starts_each_side_on_its_cpus(tmp_path):
+    """--pin-cpus: the processes the benchmark starts on each side run under taskset on
+    that side's CPUs (read back from the kernel)."""
+    from robot_offload.bench.runner import BenchConfig, BenchRunner, side_cpus
+    from robot_offload.testbed import Testbed
+    runner = BenchRunner(BenchConfig(models=["resnet18"], modes=["local"], traces=["const:10"],
+                                     out_dir=str(tmp_path), pin_cpus=True))
+    runner._pins = side_cpus(os.sched_getaffinity(0))
+    with Testbed(fallback=True) as tb:
+        procs = {side: runner._run(tb, side, ["sleep", "30"]) for side in ("robot", "server")}
+        try:
+            for side, proc in procs.items():
+                want = {int(c) for c in runner._pins[side].split(",")}
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:   # taskset and ip netns exec exec into sleep
+                    with open(f"/proc/{proc.pid}/comm") as f:
+                        if f.read().strip() == "sleep":
+                            break
+                    time.sleep(0.05)
+                assert os.sched_getaffinity(proc.pid) == want, side
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait()
+
+
+def test_partition_report_agreement_inputs():
+    """--inputs: noise is the registry's example input, natural the preprocessed
+    natural_image of the same seed; a point-cloud model keeps its own input."""
+    import torch
+    from robot_offload.bench.partition_report import agreement_input
+    from robot_offload.camera import natural_image
+    from robot_offload.models import get_spec
+    spec = get_spec("resnet18")
+    noise = agreement_input(spec, (32, 32), 3, "noise")
+    assert torch.equal(noise, spec.example_input((32, 32), seed=50_003))
+    nat = agreement_input(spec, (32, 32), 3, "natural")
+    assert nat.shape == noise.shape and not torch.equal(nat, noise)
+    assert torch.equal(nat, spec.preprocess(natural_image(32, 32, seed=50_003), (32, 32)))
+    agr = get_spec("agrnav")
+    assert torch.equal(agreement_input(agr, agr.input_size, 1, "natural"),
+                       agr.example_input(agr.input_size, seed=50_001))
+    with pytest.raises(ValueError):
+        agreement_input(spec, (32, 32), 0, "photos")
+
+
+def test_replay_cost_measures_replayed_frames_against_full_offload():
+    from robot_offload.bench import replay_cost
+    r = replay_cost.measure("resnet18", "cpu", frames=5, warmup=4, input_size=(32, 32))
+    assert r["replayed"] == 5 and r["round_trips"] <= 2
+    assert r["replay_s"] > 0 and r["full_offload_s"] > 0
+
+
+def test_replay_cost_refuses_an_unknown_model():
+    from robot_offload.bench import replay_cost
+    from robot_offload.errors import ConfigError
+    with pytest.raises(ConfigError):
+        replay_cost.main(["no_such_model"])

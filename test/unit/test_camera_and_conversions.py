@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from robot_offload import codec
-from robot_offload.camera import FolderSource, SyntheticSource, VideoSource, open_source
+from robot_offload.camera import (FolderSource, NaturalSource, SyntheticSource, VideoSource,
+                                  natural_image, open_source)
 from robot_offload.errors import ConfigError
 from robot_offload.protocol import StatusCode
 
@@ -18,6 +19,34 @@ def test_synthetic_source_is_deterministic_and_moves():
     assert not np.array_equal(a.read(), f0)
     with pytest.raises(ConfigError):
         SyntheticSource(0, 10)
+
+
+def test_natural_images_have_a_photographs_statistics():
+    """natural_image: deterministic per seed; power falling with spatial frequency (1/f
+    amplitude: the low band holds far more than the high band); colour channels sharing
+    most of their structure; and, under the codec, int8 + zstd shrinking it a little
+    (noise-free flat patterns shrink 10x or more, uniform noise not at all)."""
+    a = natural_image(128, 160, seed=5)
+    assert a.shape == (128, 160, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, natural_image(128, 160, seed=5))
+    assert not np.array_equal(a, natural_image(128, 160, seed=6))
+    lum = a.astype(np.float64).mean(axis=2)
+    power = np.abs(np.fft.rfft2(lum - lum.mean())) ** 2
+    f = np.hypot(np.fft.rfftfreq(160)[None, :], np.fft.fftfreq(128)[:, None])
+    low, high = power[(f > 0) & (f < 0.05)].mean(), power[f > 0.4].mean()
+    assert low > 100 * high, (low, high)
+    r, g, b = (a[:, :, c].astype(np.float64).ravel() for c in range(3))
+    assert np.corrcoef(r, g)[0, 1] > 0.7 and np.corrcoef(g, b)[0, 1] > 0.7
+    x = torch.from_numpy(a).permute(2, 0, 1).float()
+    ratio = x.numel() * 4 / len(codec.encode(x, "x", "int8", "zstd").data)
+    assert 4.05 < ratio < 6.0, ratio
+    src = open_source("natural", 32, 24, seed=2)
+    assert isinstance(src, NaturalSource)
+    f0, f1 = src.read(), src.read()
+    assert f0.shape == (24, 32, 3) and not np.array_equal(f0, f1)
+    assert np.array_equal(f0, natural_image(24, 32, seed=2))
+    with pytest.raises(ConfigError):
+        natural_image(0, 4)
 
 
 def test_folder_and_video_sources(tmp_path):

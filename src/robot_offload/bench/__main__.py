@@ -43,6 +43,9 @@ def main(argv=None):
                     help="run the modes in turn frame by frame (one segment per trace) rather "
                          "than one after the other: on a shared machine whose speed drifts, "
                          "every mode's frame i then meets the same load and trace point")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="robot side on the lowest CPU, server side on the others (taskset), so "
+                         "neither slows the other's threads as separate machines would not")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     profile = dict(QUICK if args.quick else FULL)
@@ -70,7 +73,7 @@ def main(argv=None):
 
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
-                      delay_ms=args.delay_ms, interleave=args.interleave,
+                      delay_ms=args.delay_ms, interleave=args.interleave, pin_cpus=args.pin_cpus,
                       progress=progress, **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()

@@ -64,6 +64,20 @@ class BenchConfig:
     progress: Optional[object] = None  # a callable(str) told after every segment
     interleave: bool = False         # modes take turns frame by frame within one segment per
                                      # trace (robust to machine drift), not one after the other
+    pin_cpus: bool = False           # robot side on CPU 0, server side on the others (see
+                                     # :func:`side_cpus`), so neither steals the other's cores
+
+
+def side_cpus(available: Sequence[int]) -> Dict[str, str]:
+    """``taskset -c`` lists for each side: the robot on the lowest CPU, the server on the
+    rest. On one machine the two sides otherwise share every core: whatever the robot
+    computes while the server works (record_replay's answers from the record, lop's own
+    rows) slows the server's intra-op threads, which a Jetson and a separate GPU PC do not
+    do to each other. Needs at least two CPUs."""
+    cpus = sorted(int(c) for c in available)
+    if len(cpus) < 2:
+        raise ConfigError(f"pinning the two sides needs at least 2 CPUs, this process may use {cpus}")
+    return {"robot": str(cpus[0]), "server": ",".join(str(c) for c in cpus[1:])}
 
 
 def _wait_for_line(proc, token: str, timeout_s: float) -> str:
@@ -123,6 +137,8 @@ class BenchRunner:
         self.notes: List[str] = []
         self.failed: List[str] = []
         self.applied: Dict[str, list] = {}
+        # ``taskset -c`` CPU list per side when pinned (set when the run starts).
+        self._pins: Dict[str, str] = {}
 
     def _log(self, name):
         return open(os.path.join(self.log_dir, name), "w")
@@ -152,8 +168,12 @@ class BenchRunner:
             server_env = dict(env, ROS_IP=tb.server_ip)
             robot_env = dict(env, ROS_IP=tb.robot_ip)
             limit = self._cpu_limit()
-            core = tb.run("server", ["roscore", "-p", str(port)], env=server_env,
-                          stdout=self._log("roscore.log"), stderr=subprocess.STDOUT)
+            if cfg.pin_cpus:
+                self._pins = side_cpus(os.sched_getaffinity(0))
+                self.notes.append(f"sides pinned (taskset): robot on CPU {self._pins['robot']}, "
+                                  f"server side (roscore, offload_server) on CPU {self._pins['server']}")
+            core = self._run(tb, "server", ["roscore", "-p", str(port)], env=server_env,
+                             stdout=self._log("roscore.log"), stderr=subprocess.STDOUT)
             try:
                 wait_for_master(tb, server_env, core)
                 with limit as lim:
@@ -168,6 +188,11 @@ class BenchRunner:
             finally:
                 _stop(core)
         return rows
+
+    def _run(self, tb, side, argv, **kw):
+        """``tb.run`` on ``side``, under ``taskset -c`` when the sides are pinned."""
+        pin = self._pins.get(side)
+        return tb.run(side, (["taskset", "-c", pin] if pin else []) + list(argv), **kw)
 
     def _cpu_limit(self):
         cfg = self.cfg
@@ -186,15 +211,16 @@ class BenchRunner:
         cfg = self.cfg
         spec = get_spec(model)
         size = list(cfg.input_sizes.get(model) or spec.input_size)
-        server = tb.run("server", ["roslaunch", "robot_offload", "server.launch", f"preload:=[{model}]"],
-                        env=server_env, stdout=self._log(f"server-{model}.log"), stderr=subprocess.STDOUT)
+        server = self._run(tb, "server", ["roslaunch", "robot_offload", "server.launch",
+                                          f"preload:=[{model}]"],
+                           env=server_env, stdout=self._log(f"server-{model}.log"), stderr=subprocess.STDOUT)
         robot_argv = ["roslaunch", "robot_offload", "robot.launch", "camera:=false", f"model:={model}",
                       "mode:=local", f"input_size:=[{','.join(map(str, size))}]",
                       "image_topic:=/bench/image", "points_topic:=/bench/points",
                       f"timeout_s:={cfg.timeout_s}"]
         # Robot nodes inherit the CPU quota from roslaunch (None: no limit).
-        robot = tb.run("robot", robot_argv, env=robot_env, cpu_limit=lim,
-                       stdout=self._log(f"robot-{model}.log"), stderr=subprocess.STDOUT)
+        robot = self._run(tb, "robot", robot_argv, env=robot_env, cpu_limit=lim,
+                          stdout=self._log(f"robot-{model}.log"), stderr=subprocess.STDOUT)
         rows = []
         try:
             for trace in self.traces:
@@ -220,8 +246,9 @@ class BenchRunner:
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
-        driver = tb.run("robot", argv, env=robot_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=self._log(f"driver-{model}-{trace.name}-{tag}.log"), text=True)
+        driver = self._run(tb, "robot", argv, env=robot_env, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE,
+                           stderr=self._log(f"driver-{model}-{trace.name}-{tag}.log"), text=True)
         frames = cfg.frames * len(modes)
         try:
             _wait_for_line(driver, "READY", 60 + WARMUP_FRAME_TIMEOUT_S * max(1, cfg.warmup) * len(modes))
