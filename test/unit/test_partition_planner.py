@@ -335,3 +335,23 @@ def test_profile_json_round_trip_and_server_times(small):
     for bad in ('{"version": 1}', "[]", '{"version": 1, "cuts": [{"id": 1}]}'):
         with pytest.raises((ConfigError, ValueError)):
             Profile.from_json(bad)
+
+
+def test_near_ties_go_to_the_lower_error():
+    """Two encodings of the input 24 bytes apart (int8 per tensor, int8c per channel): the
+    predictions cannot tell them apart, so the exact one wins; with tie_margin 0 the few
+    bytes decide, and a lower-error choice more than the margin slower never wins."""
+    p = _profile()
+    inp = p.cut("input")
+    inp.bytes["int8c/zstd"] = inp.bytes["int8/zstd"] + 24
+    inp.encode_s["int8c/zstd"] = inp.encode_s["int8/zstd"]
+    inp.error["int8c"] = 1e-6
+    p.codecs = ["raw", "int8", "int8c"]
+    cfg = PlannerConfig(error_tolerance=0.01)
+    assert best_plan(p, 100 * MB, cfg).encoding == "int8c/zstd"
+    assert best_plan(p, 100 * MB, PlannerConfig(error_tolerance=0.01, tie_margin=0.0)).encoding == "int8/zstd"
+    # int8c 30 KB larger: at 8 Mbit/s that is 30 ms on ~0.2 s, far beyond 1 %.
+    inp.bytes["int8c/zstd"] = inp.bytes["int8/zstd"] + 30_000
+    assert best_plan(p, 8 * MB, cfg).encoding == "int8/zstd"
+    with pytest.raises(ConfigError):
+        PlannerConfig(tie_margin=1.0).validate()
