@@ -20,7 +20,12 @@ then); the baseline is taken after that. At the end (and after the client is idl
 RSS, open file descriptors and OS threads of this process are compared with the baseline,
 and likewise for each server instance (ROS only) from its first answered request to its
 end. Exit status 1 if RSS grew by more than ``--max-rss-growth-mb`` or the thread or fd
-count grew at all (``--max-thread-growth`` / ``--max-fd-growth``), if an output was
+count grew at all (``--max-thread-growth`` / ``--max-fd-growth``) beyond what the
+transport's bounded pools account for (worker threads and persistent connections are added
+when calls overlap, more of them on a loaded machine; they are subtracted, reported as
+``transport_pools`` and must stay within the transport's bound), or while threads and fds
+have not settled back within ``--settle-s``; a failed check names what grew, by thread
+name and fd kind. Also 1 if an output was
 malformed, or if a ``layer_partition`` output erred more than the client's
 ``error_tolerance`` against the local outputs (the error of
 :func:`~robot_offload.partition.profile.output_error`, reported per executed mode as
@@ -32,11 +37,13 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 
@@ -64,6 +71,41 @@ def proc_figures(pid="self") -> dict:
     return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024.0,
             "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": int(status["Threads"])}
+
+
+def inventory() -> dict:
+    """What this process holds, by kind: Python threads by name and open file descriptors
+    by target (``socket``, ``pipe``, a path), so that a failed leak check says what grew."""
+    fds = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        fds[target.split(":", 1)[0] if ":" in target else target] += 1
+    names = Counter(re.sub(r"[-_ ]?\d+$", "", t.name) for t in threading.enumerate())
+    return {"threads": names, "fds": fds}
+
+
+def grown(a: dict, b: dict) -> str:
+    """The kinds :func:`inventory` counted more of in ``b`` than in ``a``, e.g.
+    "threads: Thread x1; fds: socket x1"."""
+    parts = []
+    for kind in ("threads", "fds"):
+        more = b[kind] - a[kind]
+        if more:
+            parts.append(f"{kind}: " + ", ".join(f"{k} x{n}" for k, n in sorted(more.items())))
+    return "; ".join(parts) or "nothing Python sees (native threads)"
+
+
+def leaked(a: dict, b: dict, pools_a: dict, pools_b: dict) -> dict:
+    """Growth of threads and fds from figures ``a`` to ``b`` that the transport's pools
+    (:meth:`~robot_offload.transport.base.Transport.held`, one socket per connection) do
+    not account for. The pools fill lazily and stay bounded; anything else that grew is
+    held by nobody who will give it back."""
+    g = _delta(a, b)
+    return {"threads": g["threads"] - (pools_b["threads"] - pools_a["threads"]),
+            "fds": g["fds"] - (pools_b["connections"] - pools_a["connections"])}
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -260,6 +302,8 @@ def run(args) -> dict:
             server.note_server(baseline=True)
         gc.collect()
         baseline = proc_figures()
+        baseline_held = inventory()
+        baseline_pools = server.transport.held()
         warmup_s = time.perf_counter() - t0
         _say(f"warm-up done in {warmup_s:.1f} s: {baseline}")
         t0 = time.perf_counter()
@@ -288,9 +332,20 @@ def run(args) -> dict:
         end_wait = time.monotonic() + 10
         while client.link is not None and not client.link.available and time.monotonic() < end_wait:
             time.sleep(0.1)
-        time.sleep(1.0)
-        gc.collect()
-        end = proc_figures()
+        # Threads and sockets still finishing (a background re-plan, a reconnect's last
+        # call on a loaded machine) are not leaks: the figures are read again until they
+        # are back within the limits or ``settle_s`` has passed; a leak stays.
+        settle_end = time.monotonic() + args.settle_s
+        while True:
+            time.sleep(1.0)
+            gc.collect()
+            end = proc_figures()
+            end_held = inventory()
+            end_pools = server.transport.held()
+            leak = leaked(baseline, end, baseline_pools, end_pools)
+            leaks = leak["threads"] > args.max_thread_growth or leak["fds"] > args.max_fd_growth
+            if not leaks or time.monotonic() > settle_end:
+                break
         if hasattr(server, "note_server"):
             server.note_server()
     finally:
@@ -298,13 +353,20 @@ def run(args) -> dict:
         server.close()
 
     growth = _delta(baseline, end)
+    limits = server.transport.held_limits()
     failures = []
     if growth["rss_mb"] > args.max_rss_growth_mb:
         failures.append(f"RSS grew by {growth['rss_mb']} MB (limit {args.max_rss_growth_mb})")
-    if growth["threads"] > args.max_thread_growth:
-        failures.append(f"threads grew by {growth['threads']}")
-    if growth["fds"] > args.max_fd_growth:
-        failures.append(f"open fds grew by {growth['fds']}")
+    if leak["threads"] > args.max_thread_growth:
+        failures.append(f"threads grew by {leak['threads']} beyond the transport's pools")
+    if leak["fds"] > args.max_fd_growth:
+        failures.append(f"open fds grew by {leak['fds']} beyond the transport's connections")
+    if leaks:
+        failures.append(f"new since the baseline: {grown(baseline_held, end_held)}")
+    for kind in ("threads", "connections"):
+        if end_pools[kind] > limits[kind]:
+            failures.append(f"the transport holds {end_pools[kind]} {kind}, more than its "
+                            f"bound of {limits[kind]}")
     servers = []
     for n, inst in enumerate(server.figures() or []):
         if inst["baseline"] and inst["end"]:
@@ -329,7 +391,11 @@ def run(args) -> dict:
         "inferences": args.inferences, "switch_every": args.switch_every, "restart_at": args.restart_at,
         "modes": modes, "warmup_s": round(warmup_s, 1), "run_s": round(run_s, 1),
         "inferences_per_s": round(args.inferences / run_s, 1) if run_s else None,
-        "start": start, "baseline": baseline, "end": end, "growth": growth, "servers": servers,
+        "start": start, "baseline": baseline, "end": end, "growth": growth,
+        "transport_pools": {"baseline": baseline_pools, "end": end_pools, "limits": limits},
+        "leaked": leak, "servers": servers,
+        "held": {"baseline": {k: dict(v) for k, v in baseline_held.items()},
+                 "end": {k: dict(v) for k, v in end_held.items()}},
         "executed": {m: dict(c) for m, c in executed.items()},
         "fallback_reasons": dict(errors.most_common(10)),
         "after_restart": dict(after_restart),
@@ -374,6 +440,9 @@ def parse_args(argv=None):
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     p.add_argument("--max-thread-growth", type=int, default=0)
     p.add_argument("--max-fd-growth", type=int, default=0)
+    p.add_argument("--settle-s", type=float, default=15.0,
+                   help="how long threads and fds may take to return to the baseline after the "
+                        "last inference (s)")
     p.add_argument("--progress", type=int, default=1000, help="log every N inferences (0: never)")
     p.add_argument("--workdir", default="", help="logs and profiles (default: a new temp dir)")
     p.add_argument("--out", default="", help="also write the JSON report here")

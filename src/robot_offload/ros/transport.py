@@ -38,10 +38,22 @@ class RosServiceTransport(Transport):
         super().__init__(max_parallel_calls, auth_secret=auth_secret)
         self.server_ns = server_ns.rstrip("/")
         self._free = defaultdict(list)
+        self._in_use = 0
         self._lock = threading.Lock()
         # Callers wait on these workers; a worker stuck on a dead socket is freed by close().
-        self._workers = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2 * max_parallel_calls + 2, thread_name_prefix="ros-call")
+        self._workers = self._executor(self._max_workers(), "call")
+
+    def _max_workers(self) -> int:
+        return 2 * self.max_parallel_calls + 2
+
+    def _connections(self) -> int:
+        with self._lock:
+            return sum(len(ps) for ps in self._free.values()) + self._in_use
+
+    def _connection_limit(self) -> int:
+        # idle connections are kept up to one per call worker and method (more are closed
+        # when their call ends), so at rest this bounds them
+        return len(SERVICES) * self._max_workers()
 
     def service_name(self, method: str) -> str:
         return f"{self.server_ns}/{SERVICES[method][0]}"
@@ -49,25 +61,43 @@ class RosServiceTransport(Transport):
     def _call(self, method, request, timeout_s):
         _, srv_type, to_srv, from_srv = SERVICES[method]
         proxy = self._acquire(method, srv_type)
-        msg = to_srv(request)
-        future = self._workers.submit(proxy.call, msg)
         try:
-            reply = future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            proxy.close()
-            raise OffloadTimeout(f"{self.service_name(method)} did not answer within {timeout_s:.3f} s") from None
-        except _CALL_ERRORS as e:
-            proxy.close()
-            raise ServerUnavailable(f"{self.service_name(method)}: {e}") from e
-        with self._lock:
-            self._free[method].append(proxy)
+            msg = to_srv(request)
+            future = self._workers.submit(proxy.call, msg)
+            try:
+                reply = future.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                proxy.close()
+                raise OffloadTimeout(f"{self.service_name(method)} did not answer within "
+                                     f"{timeout_s:.3f} s") from None
+            except _CALL_ERRORS as e:
+                proxy.close()
+                raise ServerUnavailable(f"{self.service_name(method)}: {e}") from e
+            except BaseException:
+                proxy.close()
+                raise
+            with self._lock:
+                keep = len(self._free[method]) < self._max_workers()
+                if keep:
+                    self._free[method].append(proxy)
+            if not keep:
+                proxy.close()
+        finally:
+            with self._lock:
+                self._in_use -= 1
         return from_srv(reply)
 
     def _acquire(self, method, srv_type):
         with self._lock:
+            self._in_use += 1
             if self._free[method]:
                 return self._free[method].pop()
-        return rospy.ServiceProxy(self.service_name(method), srv_type, persistent=True)
+        try:
+            return rospy.ServiceProxy(self.service_name(method), srv_type, persistent=True)
+        except BaseException:
+            with self._lock:
+                self._in_use -= 1
+            raise
 
     def close(self):
         super().close()

@@ -35,8 +35,9 @@ class Transport(abc.ABC):
     """Carries one request to the server and returns its response, within a deadline."""
 
     def __init__(self, max_parallel_calls: int = 4, auth_secret: Optional[bytes] = None):
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_parallel_calls, thread_name_prefix=type(self).__name__)
+        self.max_parallel_calls = max_parallel_calls
+        self._executors = []      # (thread name prefix, max_workers) of every worker pool
+        self._pool = self._executor(max_parallel_calls, "submit")
         self._closed = threading.Event()
         self._auth_secret = None
         self.set_auth_secret(auth_secret)
@@ -67,6 +68,40 @@ class Transport(abc.ABC):
         """Start a call in the background; the future raises what :meth:`call` would."""
         return self._pool.submit(self.call, method, request, timeout_s)
 
+    def _executor(self, max_workers: int, role: str) -> concurrent.futures.ThreadPoolExecutor:
+        """A worker pool of this transport, its threads named after it so :meth:`held`
+        can count them."""
+        prefix = f"{type(self).__name__}-{role}-{id(self):x}"
+        self._executors.append((prefix, max_workers))
+        return concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=prefix)
+
+    def held(self) -> dict:
+        """Worker threads and open connections this transport holds now. Both come from
+        bounded pools that fill as calls overlap (a thread or connection is added only
+        when every existing one is busy), so they grow under load without leaking; a leak
+        check subtracts them (see :mod:`robot_offload.soak`) and compares them with
+        :meth:`held_limits`."""
+        return {"threads": sum(threads_named(p) for p, _ in self._executors),
+                "connections": self._connections()}
+
+    def held_limits(self) -> dict:
+        """The most :meth:`held` can report."""
+        return {"threads": sum(n for _, n in self._executors),
+                "connections": self._connection_limit()}
+
+    def _connections(self) -> int:
+        """Open connections to the server (none: an in-process server)."""
+        return 0
+
+    def _connection_limit(self) -> int:
+        return 0
+
     def close(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def threads_named(prefix: str) -> int:
+    """Live threads of a ThreadPoolExecutor with ``thread_name_prefix=prefix`` (its
+    workers are named ``prefix_N``)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix + "_"))

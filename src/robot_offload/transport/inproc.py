@@ -17,8 +17,7 @@ class InProcessTransport(Transport):
     def __init__(self, server, max_parallel_calls: int = 4, auth_secret=None):
         super().__init__(max_parallel_calls, auth_secret=auth_secret)
         self.server = server
-        self._runner = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_parallel_calls, thread_name_prefix="inproc-server")
+        self._runner = self._executor(max_parallel_calls, "server")
 
     def _call(self, method, request, timeout_s):
         server = self.server

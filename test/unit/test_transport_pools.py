@@ -1,0 +1,65 @@
+"""What a transport holds (worker threads, connections) and the soak's leak accounting:
+the pools fill as calls overlap and stay within their bound, and growth they do not
+account for is reported as a leak, by thread name and fd kind."""
+
+import os
+import threading
+import time
+
+from robot_offload.protocol import PingRequest
+from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.soak import grown, inventory, leaked, proc_figures
+from robot_offload.transport.inproc import InProcessTransport
+
+
+def test_pools_fill_with_overlapping_calls_within_their_bound():
+    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")), max_parallel_calls=3)
+    try:
+        assert transport.held() == {"threads": 0, "connections": 0}
+        limits = transport.held_limits()
+        assert limits == {"threads": 6, "connections": 0}     # submit pool + server runners
+        for _ in range(5):
+            futures = [transport.submit("ping", PingRequest(client_id="t"), 10.0) for _ in range(8)]
+            assert all(f.result(10).status == 0 for f in futures)
+        held = transport.held()
+        assert 2 <= held["threads"] <= limits["threads"], held
+    finally:
+        transport.close()
+
+
+def _quiet(timeout_s: float = 5.0) -> None:
+    """Wait until no thread has started or ended for 0.3 s (pools of earlier tests in this
+    process wind down asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    n = threading.active_count()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if threading.active_count() == n:
+            return
+        n = threading.active_count()
+
+
+def test_growth_outside_the_pools_is_a_leak_and_is_named():
+    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    stop = threading.Event()
+    r = w = None
+    try:
+        _quiet()
+        before, before_held, before_pools = proc_figures(), inventory(), transport.held()
+        transport.call("ping", PingRequest(client_id="t"), 10.0)      # the pool grows: no leak
+        pools = transport.held()
+        assert pools["threads"] == before_pools["threads"] + 1
+        assert leaked(before, proc_figures(), before_pools, pools) == {"threads": 0, "fds": 0}
+        stray = threading.Thread(target=stop.wait, name="stray-worker", daemon=True)
+        stray.start()
+        r, w = os.pipe()
+        after, after_held, after_pools = proc_figures(), inventory(), transport.held()
+        assert leaked(before, after, before_pools, after_pools) == {"threads": 1, "fds": 2}
+        text = grown(before_held, after_held)
+        assert "stray-worker x1" in text and "pipe x2" in text, text
+    finally:
+        stop.set()
+        for fd in (r, w):
+            if fd is not None:
+                os.close(fd)
+        transport.close()
