@@ -508,3 +508,61 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
                 assert not sess.down.is_set()
     assert sess.stats.server_losses == 2
     assert sess.stats.ops_remote + sess.stats.ops_replayed > remote_before
+
+
+def test_compiled_replay_matches_eager_with_multi_outputs_lists_and_continuations():
+    """The server's compiled replay (slots, fills, last-use frees) against eager torch on a
+    sequence with a multi-output operator whose second tensor is read later, a list of
+    tensors as an argument, a tensor and a scalar as keyword arguments, a session tensor
+    and a continuation that starts where a sync point stopped."""
+    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_session_mib=64))
+
+    def call(args):
+        resp = server.handle("compute", _ops_request(args))
+        assert resp.status == StatusCode.OK, resp.status_text
+        return json.loads(resp.result_json), resp
+
+    made, _ = call({"ops": [{"op": "aten::arange.start", "a": {"l": [0, 12]}, "k": {"dtype": {"dtype": "float32"}}},
+                            {"op": "aten::full", "a": {"l": [{"l": [2, 3]}, 0.5]}, "k": {}}]})
+    h_range, h_half = made["ops"][0]["t"]["h"], made["ops"][1]["t"]["h"]
+    shaped, _ = call({"ops": [{"op": "aten::reshape", "a": {"l": [{"t": {"h": h_range}}, {"l": [2, 6]}]}, "k": {}}]})
+    h_x = shaped["ops"][0]["t"]["h"]
+    ops = [
+        {"op": "aten::split.Tensor", "a": {"l": [{"t": {"i": 0}}, 3, 1]}},
+        {"op": "aten::mul.Tensor", "a": {"l": [{"t": {"c": h_half}}]}, "k": {"other": {"t": {"o": [0, 1]}}}},
+        {"op": "aten::cat", "a": {"l": [{"l": [{"t": {"o": [1, 0]}}, {"t": {"o": [0, 0]}}]}, 1]}},
+        {"op": "aten::add.Tensor", "a": {"l": [{"t": {"o": [2, 0]}}]}, "k": {"other": {"t": {"i": 0}}, "alpha": 2}},
+        {"op": "aten::sum.dim_IntList", "a": {"l": [{"t": {"o": [3, 0]}}, {"l": [1]}]}},
+    ]
+    x = torch.arange(0, 12, dtype=torch.float32).reshape(2, 6)
+    a, b = torch.split(x, 3, 1)
+    m = b * 0.5
+    c = torch.cat([m, a], 1)
+    d = torch.add(c, x, alpha=2)
+    expected = {(4, 0): d.sum(1), (1, 0): m}
+
+    def fetched(resp, keys):
+        from robot_offload import codec
+        return {k: codec.decode(t) for k, t in zip(keys, resp.tensors)}
+
+    want = [[4, 0], [1, 0]]
+    res, resp = call({"define": {"id": "seq", "n_inputs": 1, "ops": ops},
+                      "replay": {"id": "seq", "n": 5, "inputs": [[0, {"h": h_x}]], "keep": [[0, 1]],
+                                 "fetch": want, "sync": [2]}})
+    got = fetched(resp, [tuple(k) for k in want])
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v)
+    assert [k[:2] for k in res["replay"]["kept"]] == [[0, 1]]
+    assert res["replay"]["rets"]["2"]["t"]["s"] == [2, 6]
+    # The same sequence in two requests: up to a sync point, then the rest.
+    first, _ = call({"replay": {"id": "seq", "n": 3, "inputs": [[0, {"h": h_x}]], "sync": [2],
+                                "keep": [[1, 0]]}})
+    assert first["replay"]["rets"]["2"]["t"]["s"] == [2, 6]
+    _, resp = call({"replay": {"id": "seq", "from": 3, "n": 5, "fetch": want}})
+    got = fetched(resp, [tuple(k) for k in want])
+    torch.testing.assert_close(got[(4, 0)], expected[(4, 0)])
+    torch.testing.assert_close(got[(1, 0)], expected[(1, 0)])
+    # A released session tensor is refused, not read as a missing (None) argument.
+    call({"release": [h_half], "ops": []})
+    resp = server.handle("compute", _ops_request({"replay": {"id": "seq", "n": 5, "inputs": [[0, {"h": h_x}]]}}))
+    assert resp.status == StatusCode.STALE_HANDLE, resp.status_text
