@@ -28,7 +28,7 @@ from robot_offload import backends, codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
-from robot_offload.partition.graph import capture
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, capture
 from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
                                           load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
@@ -467,6 +467,48 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
         assert all(probe for kind, probe in ran[6:] if kind == "S") and ("S", True) in ran[4:], ran
         key = ("lop", 0)
         assert st.measured.median_s(key, lp) < st.measured.median_s(key, spatial)
+    finally:
+        client.close()
+
+
+def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared_server, profile_dir):
+    """A LOSS schedule without a spatial region is a layer partition, and lop gives it the
+    alternatives layer_partition has in that bucket: here LOSS's full offload, predicted
+    as fast as all local, really slower (every request waits 0.3 s): all local is timed
+    too and serves the bucket once every close alternative has its samples, and every frame
+    equals local. (No periodic probes here: which alternatives are close calls depends on
+    this machine's profile, up to four of them, probed three times each.)"""
+    spec = get_spec("vgg19")
+    cfg = ClientConfig(model="vgg19", mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
+                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=1000,
+                       replan_threshold=1e9)
+    client = OffloadClient(cfg, _SlowLink(shared_server))
+    assert client.connect(), client.link.last_error
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=6)
+        by_kind = {c.kind: c for c in st.profile.cuts}
+        local = plan_for(st.profile, by_kind[OUTPUT_CUT].id, "raw/none", 20e6, st.cfg)
+        offload = plan_for(st.profile, by_kind[INPUT_CUT].id, "raw/none", 20e6, st.cfg)
+        offload = dataclasses.replace(offload, prediction=dataclasses.replace(
+            offload.prediction, latency_s=local.latency_s))
+        ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=20e6, latency_s=local.latency_s,
+                                             energy_j=offload.prediction.energy_j,
+                                             partition=offload)], 0.0)
+        alternatives = [st.table.lookup(20e6)] + st.table.alternatives[st.table.index(20e6)]
+        assert local.key in {a.key for a in alternatives}
+        served = []
+        for _ in range(20):
+            stats = FrameStats()
+            stats.predicted_bandwidth_bps = 20e6
+            y = backend.infer(x, stats, 120)
+            _assert_same_outputs(y, ref, "layer-partition schedule")
+            assert stats.extra["lop"]["spatial"] is False
+            served.append((stats.extra["partition"]["cut"], stats.extra["lop"]["probe"]))
+        local_label = by_kind[OUTPUT_CUT].label
+        assert served[0] == (by_kind[INPUT_CUT].label, False), served
+        assert served[-4:] == [(local_label, False)] * 4, served
+        key = ("lop", 0)
+        assert st.measured.median_s(key, local) < st.measured.median_s(key, offload)
     finally:
         client.close()
 

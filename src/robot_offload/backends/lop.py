@@ -17,10 +17,10 @@ bandwidth changes:
   robot's computation.
 
 Measured robot and server times feed the same drift tracker as layer partitioning, and
-the schedules are solved again when the load factors move. A spatial schedule and the
-layer partition of the same bandwidth are timed against each other when their
-predictions are within ``probe_margin`` (layer_partition's measured choice), and the
-faster serves the bucket.
+the schedules are solved again when the load factors move. The bucket's schedule and
+what ``layer_partition`` would consider there (its plan, the best plan at another cut,
+all local, full offload) are timed against each other when their predictions are within
+``probe_margin`` (layer_partition's measured choice), and the fastest serves the bucket.
 """
 
 import logging
@@ -142,13 +142,19 @@ class LopBackend(LayerPartitionBackend):
         ls = self.lop_state(x)
         plan = self._sticky(ls, bw)
         st = self.state(x)
-        if st.measured is None or not plan.spatial:
+        if st.measured is None:
             return self.run_schedule(x, plan, stats, timeout_s, bw)
-        # A spatial schedule against the layer partition of the same bandwidth: measured
-        # latency settles the close calls (robot stripes on new slab shapes, a shared
-        # server, passive bandwidth estimates: LOSS's predictions err most here).
+        # LOSS's schedule (spatial, or its layer partition) against what layer_partition
+        # would consider in this bucket: its plan and that plan's alternatives (the best
+        # plan at another cut, all local, full offload). Measured latency settles the close
+        # calls (robot stripes on new slab shapes, a shared server, passive bandwidth
+        # estimates: the predictions err most here), so lop is never left on a schedule
+        # that layer_partition has measured to be slower than one of these.
         i = ls.current[1]
-        chosen, probe = st.measured.choose(("lop", i), plan, [st.table.lookup(bw)])
+        j = st.table.index(bw)
+        planned = plan if plan.spatial else plan.partition
+        chosen, probe = st.measured.choose(("lop", i), planned,
+                                           [st.table.plans[j]] + st.table.alternatives[j])
         # The first run of a schedule sets up kernels for its slab shapes (and the first
         # spatial frame has the server record the graph): not what it costs after.
         warm = not profiled_now and chosen.key in self._ran and (chosen is not plan or ls.prepared)
