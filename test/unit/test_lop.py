@@ -54,11 +54,12 @@ def profile_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("profiles"))
 
 
-def _client(server, model, profile_dir, **kw):
+def _client(server, model, profile_dir, transport=None, **kw):
+    """A connected lop client of ``server`` (through ``transport``, by default in-process)."""
     spec = get_spec(model)
     cfg = ClientConfig(model=model, mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
                        timeout_s=120, profile_dir=profile_dir, **kw)
-    client = OffloadClient(cfg, InProcessTransport(server))
+    client = OffloadClient(cfg, transport or InProcessTransport(server))
     assert client.connect(), client.link.last_error
     return client
 
@@ -435,17 +436,25 @@ class _SlowLink(InProcessTransport):
             return super()._call(method, request, timeout_s)
 
 
+def _frames_at(backend, x, ref, n: int, bandwidth_bps: float, what: str):
+    """The stats of ``n`` frames of ``backend`` on ``x`` at a predicted ``bandwidth_bps``,
+    each frame's outputs checked against ``ref``."""
+    frames = []
+    for _ in range(n):
+        stats = FrameStats()
+        stats.predicted_bandwidth_bps = bandwidth_bps
+        _assert_same_outputs(backend.infer(x, stats, 120), ref, what)
+        frames.append(stats)
+    return frames
+
+
 def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shared_server, profile_dir):
     """A spatial schedule predicted 10 % faster than the layer partition of the same
     bandwidth, really slower: both are timed (each first run left out, it sets kernels
     up), the layer partition serves the bucket, the spatial schedule is probed again every
     probe_every frames, and every frame equals local."""
-    spec = get_spec("vgg19")
-    cfg = ClientConfig(model="vgg19", mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
-                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=5,
-                       replan_threshold=1e9)
-    client = OffloadClient(cfg, _SlowLink(shared_server))
-    assert client.connect(), client.link.last_error
+    client = _client(shared_server, "vgg19", profile_dir, transport=_SlowLink(shared_server),
+                     partition_codecs=("raw",), probe_every=5, replan_threshold=1e9)
     try:
         backend, x, ref, ls, st = _planned(client, seed=5)
         loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
@@ -454,13 +463,8 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
         lp = st.table.lookup(20e6)
         spatial = dataclasses.replace(spatial, latency_s=0.9 * lp.latency_s)
         ls.table = LopTable((1e6,), [spatial], 0.0)
-        ran = []
-        for _ in range(11):
-            stats = FrameStats()
-            stats.predicted_bandwidth_bps = 20e6
-            y = backend.infer(x, stats, 120)
-            _assert_same_outputs(y, ref, "measured choice")
-            ran.append(("S" if stats.extra["lop"]["spatial"] else "L", stats.extra["lop"]["probe"]))
+        ran = [("S" if s.extra["lop"]["spatial"] else "L", s.extra["lop"]["probe"])
+               for s in _frames_at(backend, x, ref, 11, 20e6, "measured choice")]
         # after the first runs and probes (their order depends on the timings), the layer
         # partition serves; the spatial schedule runs only as a probe
         assert sum(r == ("L", False) for r in ran[6:]) >= 4, ran
@@ -478,12 +482,8 @@ def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared
     too and serves the bucket once every close alternative has its samples, and every frame
     equals local. (No periodic probes here: which alternatives are close calls depends on
     this machine's profile, up to four of them, probed three times each.)"""
-    spec = get_spec("vgg19")
-    cfg = ClientConfig(model="vgg19", mode="lop", input_size=spec.test_input_size, load_timeout_s=120,
-                       timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",), probe_every=1000,
-                       replan_threshold=1e9)
-    client = OffloadClient(cfg, _SlowLink(shared_server))
-    assert client.connect(), client.link.last_error
+    client = _client(shared_server, "vgg19", profile_dir, transport=_SlowLink(shared_server),
+                     partition_codecs=("raw",), probe_every=1000, replan_threshold=1e9)
     try:
         backend, x, ref, ls, st = _planned(client, seed=6)
         by_kind = {c.kind: c for c in st.profile.cuts}
@@ -496,14 +496,9 @@ def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared
                                              partition=offload)], 0.0)
         alternatives = [st.table.lookup(20e6)] + st.table.alternatives[st.table.index(20e6)]
         assert local.key in {a.key for a in alternatives}
-        served = []
-        for _ in range(20):
-            stats = FrameStats()
-            stats.predicted_bandwidth_bps = 20e6
-            y = backend.infer(x, stats, 120)
-            _assert_same_outputs(y, ref, "layer-partition schedule")
-            assert stats.extra["lop"]["spatial"] is False
-            served.append((stats.extra["partition"]["cut"], stats.extra["lop"]["probe"]))
+        frames = _frames_at(backend, x, ref, 20, 20e6, "layer-partition schedule")
+        assert not any(s.extra["lop"]["spatial"] for s in frames)
+        served = [(s.extra["partition"]["cut"], s.extra["lop"]["probe"]) for s in frames]
         local_label = by_kind[OUTPUT_CUT].label
         assert served[0] == (by_kind[INPUT_CUT].label, False), served
         assert served[-4:] == [(local_label, False)] * 4, served
