@@ -62,10 +62,8 @@ class RosServiceTransport(Transport):
         _, srv_type, to_srv, from_srv = SERVICES[method]
         proxy = self._acquire(method, srv_type)
         try:
-            msg = to_srv(request)
-            future = self._workers.submit(proxy.call, msg)
             try:
-                reply = future.result(timeout=timeout_s)
+                reply = self._workers.submit(proxy.call, to_srv(request)).result(timeout=timeout_s)
             except concurrent.futures.TimeoutError:
                 proxy.close()
                 raise OffloadTimeout(f"{self.service_name(method)} did not answer within "
