@@ -176,30 +176,25 @@ class _Step:
         self.frees: List[int] = []         # slots whose last reader this is
 
     def bind(self, final_slot) -> None:
+        def rebound(ref):               # a reference inside a nested template -> its slot
+            return _Slot(final_slot(ref))
+
         for i, v in enumerate(self.args):
             if type(v) is _Slot:
                 self.fills.append((i, final_slot(v.ref)))
                 self.args[i] = None
             elif type(v) is list and _has_slot(v):
-                self.nested.append((i, _bind_nested(v, final_slot)))
+                self.nested.append((i, _fill(v, rebound)))
         for k, v in list(self.kwargs.items()):
             if type(v) is _Slot:
                 self.kw_fills.append((k, final_slot(v.ref)))
                 self.kwargs[k] = None
             elif type(v) is list and _has_slot(v):
-                self.nested.append((k, _bind_nested(v, final_slot)))
+                self.nested.append((k, _fill(v, rebound)))
 
 
 def _has_slot(obj) -> bool:
     return type(obj) is _Slot or (type(obj) is list and any(_has_slot(o) for o in obj))
-
-
-def _bind_nested(obj, final_slot):
-    if type(obj) is _Slot:
-        return _Slot(final_slot(obj.ref))
-    if type(obj) is list:
-        return [_bind_nested(o, final_slot) for o in obj]
-    return obj
 
 
 class _Slot:
