@@ -14,6 +14,8 @@ import time
 
 from robot_offload.bench.report import write_report
 from robot_offload.bench.runner import BenchConfig, BenchRunner
+from robot_offload.camera import open_source
+from robot_offload.errors import ConfigError
 
 FULL = dict(models=["resnet101", "vgg19", "kapao_l", "agrnav"], modes=["local", "full_offload"],
             traces=["const:10", "const:50", "const:100", "indoor", "outdoor"], frames=20,
@@ -46,8 +48,16 @@ def main(argv=None):
     ap.add_argument("--pin-cpus", action="store_true",
                     help="robot side on the lowest CPU, server side on the others (taskset), so "
                          "neither slows the other's threads as separate machines would not")
+    ap.add_argument("--frames-source", default="natural",
+                    help="image frames: natural (1/f statistics with sensor noise; zstd takes "
+                         "it about as far as a photograph), synthetic (flat squares: 100x or "
+                         "more, so sending the input looks nearly free), a folder or a video file")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
+    try:
+        open_source(args.frames_source, 8, 8).close()   # fail here, not in every segment's driver
+    except ConfigError as e:
+        ap.error(str(e))
     profile = dict(QUICK if args.quick else FULL)
     for key in ("models", "modes", "traces", "frames"):
         if getattr(args, key):
@@ -74,7 +84,7 @@ def main(argv=None):
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
                       delay_ms=args.delay_ms, interleave=args.interleave, pin_cpus=args.pin_cpus,
-                      progress=progress, **profile)
+                      frames_source=args.frames_source, progress=progress, **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()
     rows = runner.run()

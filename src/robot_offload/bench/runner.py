@@ -66,6 +66,9 @@ class BenchConfig:
                                      # trace (robust to machine drift), not one after the other
     pin_cpus: bool = False           # robot side on CPU 0, server side on the others (see
                                      # :func:`side_cpus`), so neither steals the other's cores
+    frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
+                                     # like a photograph; synthetic (flat squares) 100x or more,
+                                     # which makes sending the input look nearly free
 
 
 def side_cpus(available: Sequence[int]) -> Dict[str, str]:
@@ -153,6 +156,8 @@ class BenchRunner:
             else:
                 self.notes.append(f"link shaped with {tb.qdisc_kind} between network namespaces "
                                   f"(netem {'available' if tb.netem else 'missing'})")
+            self.notes.append(f"image frames: {cfg.frames_source} (camera.open_source; the same "
+                              "frames for every mode)")
             if cfg.interleave and len(cfg.modes) > 1:
                 self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1")
@@ -243,6 +248,7 @@ class BenchRunner:
         kind = spec.input_kind
         argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", *modes,
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
+                "--source", cfg.frames_source,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]

@@ -28,7 +28,7 @@ import rospy
 from sensor_msgs.msg import Image, PointCloud2
 from std_msgs.msg import Header
 
-from robot_offload.camera import SyntheticSource
+from robot_offload.camera import open_source
 from robot_offload.msg import BandwidthEstimate, InferenceStats, Status
 from robot_offload.ros.conversions import xyzi_to_pointcloud2
 from robot_offload.srv import SetMode
@@ -51,7 +51,7 @@ class Driver:
         rospy.Subscriber(ns + "/stats", InferenceStats, self._on_stats, queue_size=50)
         rospy.Subscriber(args.bandwidth_topic, BandwidthEstimate, self._on_bandwidth, queue_size=50)
         self.set_mode = rospy.ServiceProxy(ns + "/set_mode", SetMode)
-        self.camera = SyntheticSource(args.width, args.height, seed=args.seed)
+        self.camera = open_source(args.source, args.width, args.height, loop=True, seed=args.seed)
         self._frames = []
 
     def _on_stats(self, msg):
@@ -63,7 +63,7 @@ class Driver:
         self.bandwidth.append((time.monotonic(), msg.measured_bps, msg.predicted_bps))
 
     def frame(self, i):
-        """Frame i of the run, identical for every mode (synthetic, seeded)."""
+        """Frame i of the run, identical for every mode (``--source``, seeded)."""
         while len(self._frames) <= i:
             if self.args.input_kind == "pointcloud":
                 from robot_offload.models.agrnav import synthetic_scene
@@ -163,6 +163,10 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=640)
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--source", default="natural",
+                    help="image frames: natural (1/f statistics and sensor noise: compresses "
+                         "like a photograph), synthetic (flat squares: compresses 100x or more), "
+                         "a folder of images or a video file (see camera.open_source)")
     ap.add_argument("--frame-timeout-s", type=float, default=30.0)
     ap.add_argument("--warmup-timeout-s", type=float, default=0.0,
                     help="wait per warm-up frame (0: --frame-timeout-s); the first frame of "
