@@ -29,8 +29,8 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, capture
-from robot_offload.partition.loss import (Candidate, LopPlan, LopTable, Loss, compare_solvers,
-                                          load_or_solve, predict, solve_buckets, solve_grid,
+from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, Candidate, LopPlan, LopTable, Loss,
+                                          compare_solvers, load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
 from robot_offload.partition.planner import PlannerConfig, plan_for
 from robot_offload.partition.profile import build_profile, encoding_key
@@ -270,8 +270,22 @@ def test_plans_switch_with_bandwidth_and_are_cached(shared_server, profile_dir, 
             own_s = _latency_at(loss, own, bw, cfg)
             assert own_s == pytest.approx(own.latency_s, rel=1e-9)
             for other in t1.plans:
-                assert own_s <= _latency_at(loss, other, bw, cfg) * (1 + cfg.tie_margin) + 1e-12, (
+                # A layer partition stays unless a spatial schedule beats it by MIN_SPATIAL_GAIN.
+                gain = MIN_SPATIAL_GAIN if other.spatial and not own.spatial else 0.0
+                assert own_s * (1 - gain) <= _latency_at(loss, other, bw, cfg) * (1 + cfg.tie_margin) + 1e-12, (
                     f"at {bw / 1e6:g} Mbit/s {own.describe()} is worse than {other.describe()}")
+        # The gain rule itself: per bucket, the best spatial schedule (no gain asked) serves
+        # only where it beats the layer partition (a gain of 100 %: never spatial) by it.
+        spatial_somewhere = False
+        for b in cfg.buckets:
+            free = solve_grid(loss, b, cfg, min_gain=0.0)
+            lp = solve_grid(loss, b, cfg, min_gain=1.0)
+            kept = solve_grid(loss, b, cfg)
+            assert not lp.spatial
+            spatial_somewhere |= free.spatial
+            wins = free.spatial and free.latency_s < lp.latency_s * (1 - MIN_SPATIAL_GAIN)
+            assert kept.key == (free.key if wins else lp.key), (b, kept.describe(), free.describe())
+        assert spatial_somewhere
         # A re-plan (new load factors) is solved in the background: the frame gets the
         # current table at once, the new one replaces it when ready.
         old_table = ls.table
