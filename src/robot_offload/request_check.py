@@ -9,7 +9,8 @@ tensor it is not asked to use):
 * the request is the method's protocol dataclass, its text fields are strings of at most
   :data:`MAX_TEXT_CHARS` characters;
 * compute: ``output_codec`` / ``output_compression`` are known; ``args_json`` is empty or
-  a JSON object of at most :data:`MAX_ARGS_JSON_CHARS`; at most :data:`MAX_TENSORS`
+  a JSON object of at most :data:`MAX_ARGS_JSON_CHARS` nesting at most
+  :data:`MAX_ARGS_JSON_DEPTH` levels; at most :data:`MAX_TENSORS`
   tensors, each with a consistent header (:func:`robot_offload.codec.check_header`: types,
   codec, dtype, shape, sizes, data length when uncompressed);
 * memory: the bytes on the wire *and* the decoded size of all tensors together are at most
@@ -30,6 +31,12 @@ from robot_offload.protocol import METHODS, StatusCode
 MAX_TEXT_CHARS = 1024
 #: Longest args_json (characters).
 MAX_ARGS_JSON_CHARS = 4 * 1024 * 1024
+#: Deepest nesting of arrays and objects in args_json. Python's json module refuses
+#: depths near a thousand on 3.11 (RecursionError) but parses them on 3.12, so the limit is
+#: explicit: the same request is refused whatever Python the server runs, and the
+#: executors that walk argument trees recursively never meet one deeper than this (the
+#: deepest real requests, record_replay's nested argument templates, nest about ten).
+MAX_ARGS_JSON_DEPTH = 64
 #: Most tensors in one compute request.
 MAX_TENSORS = 16384
 
@@ -77,6 +84,18 @@ def check_request(method: str, request, max_request_bytes: int) -> None:
         _check_compute(request, max_request_bytes)
 
 
+def _depth(value) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0, ``{}`` and ``[]`` are 1), without
+    recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _check_compute(req, max_request_bytes: int) -> None:
     if req.output_codec not in codec.CODECS:
         raise _bad(f"unknown output_codec {req.output_codec!r}; known: {list(codec.CODECS)}")
@@ -96,6 +115,8 @@ def _check_compute(req, max_request_bytes: int) -> None:
             raise _bad(f"args_json is not JSON: {str(e)[:200]}") from None
         if not isinstance(parsed, dict):
             raise _bad(f"args_json must be a JSON object, got {type(parsed).__name__}")
+        if _depth(parsed) > MAX_ARGS_JSON_DEPTH:
+            raise _bad(f"args_json nests deeper than {MAX_ARGS_JSON_DEPTH} levels")
     tensors = req.tensors
     if not isinstance(tensors, (list, tuple)):
         raise _bad(f"tensors must be a list, got {type(tensors).__name__}")

@@ -29,7 +29,7 @@ from robot_offload.models import registry
 from robot_offload.partition import lop_executor
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     LoadModelResponse, PingRequest, PingResponse, StatusCode)
-from robot_offload.request_check import MAX_ARGS_JSON_CHARS, MAX_TENSORS
+from robot_offload.request_check import MAX_ARGS_JSON_CHARS, MAX_ARGS_JSON_DEPTH, MAX_TENSORS
 from robot_offload.server import OffloadServer, ServerConfig
 
 from devices import SERVER_DEVICE, to_server
@@ -415,6 +415,26 @@ def test_max_request_bytes_enforced_before_decoding(fuzz_server):
     r = s.handle("compute", ComputeRequest("t", MODEL, "forward", [EncodedTensor("x", "float32", [0])] * (MAX_TENSORS + 1)))
     assert r.status == StatusCode.TOO_LARGE
     assert s.handle("ping", PingRequest("t", b"\0" * (MAX_BYTES + 1))).status == StatusCode.TOO_LARGE
+
+
+def test_args_json_depth_is_limited_on_every_python(fuzz_server):
+    """Deeply nested args_json is refused by an explicit depth limit, not by whether this
+    Python's json module happens to recurse that deep (3.11 refuses depth 3000, 3.12
+    parses it); the limit itself still lets a forward through."""
+    def nested(depth):
+        return '{"a": ' * depth + "1" + "}" * depth
+
+    for depth, ok in ((MAX_ARGS_JSON_DEPTH, True), (MAX_ARGS_JSON_DEPTH + 1, False), (3000, False)):
+        r = fuzz_server.handle("compute", ComputeRequest("t", MODEL, "forward", [_BASE],
+                                                         args_json=nested(depth)))
+        assert (r.status == StatusCode.OK) == ok, (depth, r.status, r.status_text)
+        if not ok:     # 3000 on 3.11: json's own RecursionError, also a BAD_REQUEST
+            assert r.status == StatusCode.BAD_REQUEST, r.status_text
+            assert depth > MAX_ARGS_JSON_DEPTH + 1 or "nests deeper" in r.status_text
+    deep_list = "[" * (MAX_ARGS_JSON_DEPTH) + "]" * (MAX_ARGS_JSON_DEPTH)
+    r = fuzz_server.handle("compute", ComputeRequest("t", MODEL, "forward", [_BASE],
+                                                     args_json='{"a": ' + deep_list + "}"))
+    assert r.status == StatusCode.BAD_REQUEST, r.status_text
 
 
 def test_rss_stays_bounded_over_a_fuzz_run(fuzz_server, valid):

@@ -489,6 +489,29 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
         client.close()
 
 
+def test_a_schedules_first_run_does_not_feed_the_drift_tracker(shared_server, profile_dir):
+    """The first frame of a spatial schedule sets kernels up for new slab shapes; timed
+    against the stripe's profile it would raise the robot's load factor and a re-plan would
+    move every plan off the robot. Only the frames after it are drift samples."""
+    client = _client(shared_server, "vgg19", profile_dir, partition_codecs=("raw",),
+                     probe_every=0, replan_threshold=1e9)
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=6)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
+        ls.table = LopTable((1e6,), [_spatial_plan(loss, st, i, 8)], 0.0)
+        samples = []
+        for _ in range(3):
+            frame, = _frames_at(backend, x, ref, 1, 20e6, "drift samples")
+            assert frame.extra["lop"]["spatial"]
+            samples.append(dict(st.tracker.samples))
+        assert [s["robot"] for s in samples] == [samples[0]["robot"], samples[0]["robot"] + 1,
+                                                 samples[0]["robot"] + 2], samples
+        assert samples[2]["server"] == samples[0]["server"] + 2, samples
+    finally:
+        client.close()
+
+
 def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared_server, profile_dir):
     """A LOSS schedule without a spatial region is a layer partition, and lop gives it the
     alternatives layer_partition has in that bucket: here LOSS's full offload, predicted

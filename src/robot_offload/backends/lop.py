@@ -142,29 +142,31 @@ class LopBackend(LayerPartitionBackend):
         ls = self.lop_state(x)
         plan = self._sticky(ls, bw)
         st = self.state(x)
-        if st.measured is None:
-            return self.run_schedule(x, plan, stats, timeout_s, bw)
-        # LOSS's schedule (spatial, or its layer partition) against what layer_partition
-        # would consider in this bucket: its plan and that plan's alternatives (the best
-        # plan at another cut, all local, full offload). Measured latency settles the close
-        # calls (robot stripes on new slab shapes, a shared server, passive bandwidth
-        # estimates: the predictions err most here), so lop is never left on a schedule
-        # that layer_partition has measured to be slower than one of these.
         i = ls.current[1]
-        j = st.table.index(bw)
         planned = plan if plan.spatial else plan.partition
-        chosen, probe = st.measured.choose(("lop", i), planned,
-                                           [st.table.plans[j]] + st.table.alternatives[j])
+        chosen, probe = planned, False
+        if st.measured is not None:
+            # LOSS's schedule (spatial, or its layer partition) against what
+            # layer_partition would consider in this bucket: its plan and that plan's
+            # alternatives (the best plan at another cut, all local, full offload).
+            # Measured latency settles the close calls (robot stripes on new slab shapes,
+            # a shared server, passive bandwidth estimates: the predictions err most
+            # here), so lop is never left on a schedule that layer_partition has measured
+            # to be slower than one of these.
+            j = st.table.index(bw)
+            chosen, probe = st.measured.choose(("lop", i), planned,
+                                               [st.table.plans[j]] + st.table.alternatives[j])
         # The first run of a schedule sets up kernels for its slab shapes (and the first
-        # spatial frame has the server record the graph): not what it costs after.
+        # spatial frame has the server record the graph): not what it costs after, so it
+        # is neither a latency sample nor a drift sample.
         warm = not profiled_now and chosen.key in self._ran and (chosen is not plan or ls.prepared)
         self._ran.add(chosen.key)
         t0 = time.perf_counter()
         if chosen is plan:
-            y = self.run_schedule(x, plan, stats, timeout_s, bw)
+            y = self.run_schedule(x, plan, stats, timeout_s, bw, observe_drift=warm)
         else:
             y = self._run_partition(x, chosen, stats, timeout_s, bw)
-        if warm:
+        if warm and st.measured is not None:
             st.measured.observe(("lop", i), chosen, time.perf_counter() - t0)
         stats.extra["lop"]["probe"] = probe
         return y
@@ -193,9 +195,13 @@ class LopBackend(LayerPartitionBackend):
         return y
 
     def run_schedule(self, x: torch.Tensor, plan: LopPlan, stats, timeout_s: float,
-                     bandwidth_bps: float = None):
+                     bandwidth_bps: float = None, observe_drift: bool = True):
         """Run one frame with ``plan`` (any plan of this model's table, or one made by
-        :mod:`robot_offload.partition.loss` for this shape)."""
+        :mod:`robot_offload.partition.loss` for this shape). ``observe_drift=False``: a
+        spatial frame's times do not feed the drift tracker (a schedule's first run: one
+        cold stripe timed at several times its profile would raise the robot's load
+        factor, and a re-plan would then move every plan off the robot, all-local
+        included, where no close call lets measurement bring it back)."""
         bw = bandwidth_bps or plan.bandwidth_bps
         if not plan.spatial:
             return self._run_partition(x, plan.partition, stats, timeout_s, bw)
@@ -204,12 +210,14 @@ class LopBackend(LayerPartitionBackend):
         if not ls.prepared:
             self._prepare(ls, x.shape, timeout_s)
         try:
-            return self._run_spatial(x, ls, plan, stats, timeout_s - (time.perf_counter() - t0), bw)
+            return self._run_spatial(x, ls, plan, stats, timeout_s - (time.perf_counter() - t0), bw,
+                                     observe_drift)
         except Exception:
             ls.prepared = False     # the server may have restarted: prepare again
             raise
 
-    def _run_spatial(self, x, ls: _LopState, plan: LopPlan, stats, timeout_s: float, bw: float):
+    def _run_spatial(self, x, ls: _LopState, plan: LopPlan, stats, timeout_s: float, bw: float,
+                     observe_drift: bool = True):
         st = self.state(x)
         sg = ls.spatial
         region, c1, c2 = self.region_of(sg, plan)
@@ -287,16 +295,17 @@ class LopBackend(LayerPartitionBackend):
         stats.add_compute(t_b_done, t_end)
         # Drift: the robot's head + stripe against the profile; the server's tail as
         # layer partitioning records it.
-        cost_robot = stripe_seconds(sg, region, need_r, st.profile.node_s)
-        if c1.kind != INPUT_CUT:
-            cost_robot += st.profile.cut(c1.id).head_s
-        drift = st.tracker.observe("robot", cost_robot, t_b - t0)
-        cost_server = stripe_seconds(sg, region, need_s, st.profile.node_s)
-        drift |= st.tracker.observe("server", cost_server / st.cfg.server_speedup,
-                                    resp_a.server_compute_s)
-        st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
-        if drift:
-            self._replan(st)
+        if observe_drift:
+            cost_robot = stripe_seconds(sg, region, need_r, st.profile.node_s)
+            if c1.kind != INPUT_CUT:
+                cost_robot += st.profile.cut(c1.id).head_s
+            drift = st.tracker.observe("robot", cost_robot, t_b - t0)
+            cost_server = stripe_seconds(sg, region, need_s, st.profile.node_s)
+            drift |= st.tracker.observe("server", cost_server / st.cfg.server_speedup,
+                                        resp_a.server_compute_s)
+            st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
+            if drift:
+                self._replan(st)
         stats.extra["lop"] = {
             "schedule": plan.describe(), "spatial": True, "share": plan.share,
             "first": c1.label, "last": c2.label, "codec": plan.codec,
