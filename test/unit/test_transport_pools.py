@@ -6,7 +6,9 @@ import os
 import threading
 import time
 
-from robot_offload.protocol import PingRequest
+import pytest
+
+from robot_offload.protocol import ComputeRequest, PingRequest
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.soak import grown, inventory, leaked, proc_figures
 from robot_offload.transport.inproc import InProcessTransport
@@ -62,4 +64,35 @@ def test_growth_outside_the_pools_is_a_leak_and_is_named():
         for fd in (r, w):
             if fd is not None:
                 os.close(fd)
+        transport.close()
+
+
+def test_a_ros_request_that_fails_to_convert_closes_its_connection(monkeypatch):
+    """A request the srv conversion refuses (here a tensor that is not an EncodedTensor)
+    never reaches the wire, and the persistent connection taken for it is closed, neither
+    returned to the pool (a later call would inherit it half-used) nor counted as in use."""
+    from robot_offload.ros import transport as ros_transport
+
+    opened, closed = [], []
+
+    class Proxy:
+        def __init__(self, name, srv_type, persistent=False):
+            opened.append(self)
+
+        def call(self, request):
+            raise AssertionError("a request that did not convert was sent")
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(ros_transport.rospy, "ServiceProxy", Proxy)
+    transport = ros_transport.RosServiceTransport("/nowhere")
+    try:
+        bad = ComputeRequest(client_id="t", model="m", entry="forward", tensors=[object()])
+        for _ in range(2):
+            with pytest.raises(Exception):
+                transport.call("compute", bad, 1.0)
+        assert len(opened) == 2 and closed == opened
+        assert transport.held()["connections"] == 0
+    finally:
         transport.close()
