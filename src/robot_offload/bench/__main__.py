@@ -48,6 +48,10 @@ def main(argv=None):
     ap.add_argument("--pin-cpus", action="store_true",
                     help="robot side on the lowest CPU, server side on the others (taskset), so "
                          "neither slows the other's threads as separate machines would not")
+    ap.add_argument("--min-span-s", type=float, default=0.0,
+                    help="extend a cell past --frames until its frames span this many seconds "
+                         "(fast models get more frames, slow ones keep --frames)")
+    ap.add_argument("--max-frames", type=int, default=64, help="the most frames --min-span-s may run")
     ap.add_argument("--frames-source", default="natural",
                     help="image frames: natural (1/f statistics with sensor noise; zstd takes "
                          "it about as far as a photograph), synthetic (flat squares: 100x or "
@@ -84,7 +88,8 @@ def main(argv=None):
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
                       delay_ms=args.delay_ms, interleave=args.interleave, pin_cpus=args.pin_cpus,
-                      frames_source=args.frames_source, progress=progress, **profile)
+                      frames_source=args.frames_source, min_span_s=args.min_span_s,
+                      max_frames=args.max_frames, progress=progress, **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()
     rows = runner.run()

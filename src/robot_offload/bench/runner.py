@@ -66,6 +66,8 @@ class BenchConfig:
                                      # trace (robust to machine drift), not one after the other
     pin_cpus: bool = False           # robot side on CPU 0, server side on the others (see
                                      # :func:`side_cpus`), so neither steals the other's cores
+    min_span_s: float = 0.0          # a cell goes on past `frames` until its frames span
+    max_frames: int = 0              # this long (s), up to `max_frames` (cheap models)
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
@@ -158,6 +160,9 @@ class BenchRunner:
                                   f"(netem {'available' if tb.netem else 'missing'})")
             self.notes.append(f"image frames: {cfg.frames_source} (camera.open_source; the same "
                               "frames for every mode)")
+            if cfg.min_span_s > 0:
+                self.notes.append(f"cells of at least {cfg.frames} frames, extended until their frames "
+                                  f"spanned {cfg.min_span_s:g} s (at most {cfg.max_frames} frames)")
             if cfg.interleave and len(cfg.modes) > 1:
                 self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1")
@@ -249,13 +254,14 @@ class BenchRunner:
         argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", *modes,
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
                 "--source", cfg.frames_source,
+                "--min-span-s", cfg.min_span_s, "--max-frames", cfg.max_frames,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
         driver = self._run(tb, "robot", argv, env=robot_env, stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE,
                            stderr=self._log(f"driver-{model}-{trace.name}-{tag}.log"), text=True)
-        frames = cfg.frames * len(modes)
+        frames = max(cfg.frames, cfg.max_frames if cfg.min_span_s > 0 else 0) * len(modes)
         try:
             _wait_for_line(driver, "READY", 60 + WARMUP_FRAME_TIMEOUT_S * max(1, cfg.warmup) * len(modes))
             repeat = 1 + int(frames * 60 / max(trace.duration_s, 1))   # never run out of trace

@@ -100,16 +100,22 @@ class Driver:
         if r.status.code != Status.OK:
             raise ValueError(f"set_mode {mode}: {r.status.text}")
 
-    def run_frames(self, n, record, t_origin, timeout_s=None, modes=None):
+    def run_frames(self, n, record, t_origin, timeout_s=None, modes=None, min_span_s=0.0,
+                   max_frames=0):
         """Frames 0..n-1; with ``modes``, each frame once per mode in turn (the mode is
-        switched before every frame when there is more than one)."""
+        switched before every frame when there is more than one). With ``min_span_s``,
+        further frames (all modes again) until that many seconds have passed since
+        ``t_origin``, up to ``max_frames``: a cell of a 30 ms model then holds enough frames
+        for its median to mean something, and a 1 s model's cell is not lengthened."""
         rows = []
         modes = list(modes or [None])
-        for i in range(n):
+        i = 0
+        while i < n or (time.monotonic() - t_origin < min_span_s and i < max(n, max_frames)):
             for mode in modes:
                 if mode is not None and len(modes) > 1:
                     self.switch(mode)
                 rows.append(self.one_frame(i, t_origin, timeout_s, mode))
+            i += 1
         return rows if record else []
 
     def one_frame(self, i, t_origin, timeout_s, mode):
@@ -155,6 +161,10 @@ def main(argv=None):
                     help="one mode, or several to run frame by frame in turn")
     ap.add_argument("--frames", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--min-span-s", type=float, default=0.0,
+                    help="after --frames, keep going (every mode again) until the measured "
+                         "frames span this many seconds, up to --max-frames")
+    ap.add_argument("--max-frames", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--client", default="/offload_client")
     ap.add_argument("--input-topic", default="/bench/image")
@@ -190,7 +200,8 @@ def main(argv=None):
         if not args.no_go:
             sys.stdin.readline()
         t_origin = time.monotonic()
-        rows = d.run_frames(args.frames, record=True, t_origin=t_origin, modes=args.mode)
+        rows = d.run_frames(args.frames, record=True, t_origin=t_origin, modes=args.mode,
+                            min_span_s=args.min_span_s, max_frames=args.max_frames)
     except ValueError as e:
         print(f"ERROR {e}", flush=True)
         return 2
