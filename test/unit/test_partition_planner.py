@@ -195,6 +195,34 @@ def test_measured_choice_settles_close_calls_by_measurement():
         MeasuredChoice(window=1, min_samples=2)
 
 
+def test_measured_choice_times_all_local_once_for_every_bucket():
+    """All local crosses no link, so its measurements in one bucket serve the others: a
+    bandwidth estimate hopping to a new bucket does not make it a probe again there."""
+    table = PlanTable(_profile(), PlannerConfig())
+    pairs = []
+    for i in range(len(table.plans)):
+        local = [a for a in table.alternatives[i] if a.kind == "output"]
+        if table.plans[i].kind != "output" and local:
+            pairs.append((i, table.plans[i], local[0]))
+    assert len(pairs) >= 2, "need two buckets that offload with all local as the alternative"
+    (i, plan_i, local), (j, plan_j, _) = pairs[0], pairs[-1]
+    m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2)
+    for _ in range(4):
+        p, _probe = m.choose(i, plan_i, [local])
+        m.observe(i, p, 0.020 if p.kind == "output" else 0.050)
+    assert m.median_s(j, local) == 0.020            # measured in bucket i, known in j
+    ran = []
+    for _ in range(3):
+        p, probe = m.choose(j, plan_j, [local])
+        ran.append(("local" if p.kind == "output" else "plan", probe))
+        m.observe(j, p, 0.020 if p.kind == "output" else 0.050)
+    # The bucket's own plan gets its samples; all local is never a probe here (kept per
+    # bucket, it would be: plan, local as a probe, plan as a probe, then local).
+    assert ran == [("plan", False), ("plan", True), ("local", False)], ran
+    # An offloading plan's measurements stay in their bucket.
+    assert m.median_s(i, plan_i) is not None and m.median_s(j + 1000, plan_i) is None
+
+
 def test_drift_tracker_replans_after_sustained_drift():
     t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
     assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise

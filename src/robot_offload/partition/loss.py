@@ -126,6 +126,11 @@ class LopPlan:
         return self.partition is None
 
     @property
+    def link_free(self) -> bool:
+        """All on the robot (see :attr:`Plan.link_free`)."""
+        return self.partition is not None and self.partition.link_free
+
+    @property
     def key(self) -> Tuple:
         if self.partition is not None:
             return ("partition", self.partition.cut_id, self.partition.encoding)

@@ -135,6 +135,12 @@ class Plan:
         """Predicted latency (s)."""
         return self.prediction.latency_s
 
+    @property
+    def link_free(self) -> bool:
+        """Nothing crosses the link (all on the robot): its latency does not depend on
+        the bandwidth, so a measurement in one bucket holds in all."""
+        return self.kind == OUTPUT_CUT
+
     def describe(self) -> str:
         if self.kind == OUTPUT_CUT:
             return f"cut={self.label}"
@@ -406,9 +412,12 @@ class MeasuredChoice:
     whose median of the last ``window`` measured latencies is lowest. A probe is a real
     frame (its outputs are used); it costs at most ``margin`` more than the prediction
     said, and only on close calls. Measurements are kept per plan key (cut and encoding),
-    so they survive re-plans that keep the plan. A plan is anything with a ``key`` and a
-    predicted ``latency_s``: lop uses it between a spatial schedule and the layer
-    partition of the same bucket."""
+    so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
+    (all local) is measured once for every bucket: its latency does not depend on the link,
+    and a noisy bandwidth estimate that hops between buckets would otherwise make each new
+    bucket probe it again. A plan is anything with a ``key`` and a predicted
+    ``latency_s``: lop uses it between a spatial schedule and the layer partition of the
+    same bucket."""
 
     def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2):
         if not margin >= 0 or every < 1 or window < 1 or not 1 <= min_samples <= window:
@@ -423,12 +432,16 @@ class MeasuredChoice:
         return (alternative is not None and alternative.key != plan.key
                 and alternative.latency_s <= plan.latency_s * (1 + self.margin))
 
+    @staticmethod
+    def _mkey(bucket, plan) -> Tuple[object, object]:
+        return (None if getattr(plan, "link_free", False) else bucket, plan.key)
+
     def median_s(self, bucket, plan) -> Optional[float]:
-        d = self._latency.get((bucket, plan.key))
+        d = self._latency.get(self._mkey(bucket, plan))
         return statistics.median(d) if d else None
 
     def _count(self, bucket, plan) -> int:
-        return len(self._latency.get((bucket, plan.key), ()))
+        return len(self._latency.get(self._mkey(bucket, plan), ()))
 
     def choose(self, bucket, plan, alternatives) -> Tuple[object, bool]:
         """(the plan to run, whether it is a probe)."""
@@ -457,4 +470,4 @@ class MeasuredChoice:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
         more than infer, e.g. the one that measured the profile)."""
         if math.isfinite(latency_s) and latency_s >= 0:
-            self._latency.setdefault((bucket, plan.key), deque(maxlen=self.window)).append(latency_s)
+            self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(latency_s)
