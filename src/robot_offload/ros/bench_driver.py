@@ -10,8 +10,8 @@ bandwidth trace then) before the measured frames, so that every mode sees the sa
 from its start and the same frames.
 
 With several modes (``--mode local full_offload layer_partition``) every mode is warmed up
-in turn, and then the modes take turns frame by frame: frame i in each mode, back to back,
-then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
+in turn, and then the modes take turns frame by frame: frame i in each mode, back to back
+(the order rotated by one mode per frame), then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
 this puts every mode's frame i under the same load and the same point of the trace, so
 the ratios between modes stay meaningful where one mode after the other would compare
 different moments. Rows carry ``mode_asked``.
@@ -73,16 +73,25 @@ class Driver:
         return self._frames[i]
 
     def publish(self, i):
+        """Publish frame i, stamped as it leaves (a camera stamps at capture): the time to
+        make or convert the frame is not the frame's latency. Making a natural frame takes
+        ~90 ms under the robot's 0.5-CPU quota; stamped before, it went into the latency of
+        whichever mode published frame i first."""
         header = Header(frame_id="bench")
-        header.stamp = rospy.Time.now()
         data = self.frame(i)
         if self.args.input_kind == "pointcloud":
             msg = xyzi_to_pointcloud2(data, header)
         else:
             msg = Image(header=header, height=data.shape[0], width=data.shape[1], encoding="rgb8",
                         is_bigendian=0, step=data.shape[1] * 3, data=np.ascontiguousarray(data).tobytes())
+        msg.header.stamp = rospy.Time.now()
         self.pub.publish(msg)
-        return header.stamp.to_nsec(), time.monotonic()
+        return msg.header.stamp.to_nsec(), time.monotonic()
+
+    def make_frames(self, n):
+        """Make frames 0..n-1 now (before the warm-up), so that no measured frame shares the
+        robot's CPU quota with making the next one."""
+        self.frame(n - 1)
 
     def wait_stats(self, key, timeout_s):
         end = time.monotonic() + timeout_s
@@ -111,7 +120,12 @@ class Driver:
         modes = list(modes or [None])
         i = 0
         while i < n or (time.monotonic() - t_origin < min_span_s and i < max(n, max_frames)):
-            for mode in modes:
+            # The order rotates by one mode per frame: the robot's CPU quota and what a
+            # frame leaves running (a lop re-plan, transfers winding down) weigh on the
+            # frame after it, and with a fixed order always on the same mode (local, first,
+            # measured 120-140 ms on MobileNetV2 where layer_partition ran all local in 40).
+            for k in range(len(modes)):
+                mode = modes[(i + k) % len(modes)]
                 if mode is not None and len(modes) > 1:
                     self.switch(mode)
                 rows.append(self.one_frame(i, t_origin, timeout_s, mode))
@@ -191,6 +205,7 @@ def main(argv=None):
     deadline = time.monotonic() + 30
     while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+    d.make_frames(max(args.frames, args.max_frames if args.min_span_s > 0 else 0, args.warmup, 1))
     try:   # switch() raises ValueError when the client refuses a mode
         for mode in args.mode:
             d.switch(mode)
