@@ -118,9 +118,11 @@ def test_bench_quick_writes_report(tmp_path):
     assert {r["executed_mode"] for r in rows if r["mode_asked"] == "full_offload"} == {"full_offload"}
     assert "modes interleaved" in report
     for trace in ("const50M", "outdoor"):
-        # publication order: local 0, full_offload 0, local 1, full_offload 1, ...
+        # publication order: frame by frame, the modes' order rotated by one per frame
+        # (local 0, full_offload 0, full_offload 1, local 1, local 2, full_offload 2)
         order = sorted((float(r["t_s"]), int(r["frame"]), r["mode_asked"]) for r in rows if r["trace"] == trace)
-        assert [(f, m) for _, f, m in order] == [(f, m) for f in range(3) for m in ("local", "full_offload")]
+        modes = ("local", "full_offload")
+        assert [(f, m) for _, f, m in order] == [(f, modes[(f + k) % 2]) for f in range(3) for k in range(2)]
     for r in rows:
         if r["mode_asked"] == "full_offload" and r["trace"] == "const50M":
             assert float(r["latency_s"]) >= int(r["bytes_up"]) * 8 / 50e6
