@@ -51,7 +51,7 @@ class ClientConfig:
     server_speedup: float = 10.0    # server compute = robot compute / this, until measured
     rtt_s: float = 0.002            # round trip of one request in the latency model (s)
     replan_threshold: float = 0.3   # re-plan when measured / profiled compute drifts this much
-    probe_margin: float = 0.25      # time the runner-up plan when predicted within this of the plan
+    probe_margin: float = 0.25      # time an alternative plan predicted within this of the plan (all local: always)
     probe_every: int = 20           # ... again every this many frames of a bucket; 0 = never
     profile_dir: str = ""           # profile cache; "" = ~/.cache/robot_offload/profiles
     profile_refresh: bool = False   # measure the profile again instead of loading it

@@ -223,6 +223,46 @@ def test_measured_choice_times_all_local_once_for_every_bucket():
     assert m.median_s(i, plan_i) is not None and m.median_s(j + 1000, plan_i) is None
 
 
+def test_measured_choice_times_all_local_whatever_its_prediction():
+    """All local predicted beyond the margin is still timed (``min_samples`` frames, once
+    for every bucket): served if it measures faster, never run again if it measures
+    slower. Other alternatives beyond the margin are never timed."""
+    table = PlanTable(_profile(), PlannerConfig())
+    for i in range(len(table.plans)):
+        plan = table.plans[i]
+        local = [a for a in table.alternatives[i] if a.link_free]
+        other = [a for a in table.alternatives[i] if not a.link_free]
+        if plan.kind != "output" and local and other:
+            local, other = local[0], other[0]
+            break
+    else:
+        pytest.fail("need a bucket that offloads, with all local and another alternative")
+    assert local.latency_s > plan.latency_s and other.latency_s > plan.latency_s
+    for local_s, expect_served in ((0.020, True), (0.200, False)):
+        m = MeasuredChoice(margin=0.0, every=3, window=3, min_samples=2)
+        assert not m.close_call(plan, local) and not m.close_call(plan, other)
+        ran = []
+        for _ in range(12):
+            p, probe = m.choose(i, plan, [local, other])
+            ran.append(("local" if p is local else "plan" if p is plan else "other", probe))
+            m.observe(i, p, local_s if p is local else 0.050)
+        assert ("other", True) not in ran and ("other", False) not in ran, ran
+        if expect_served:
+            # the plan, all local as a probe (now the faster), the plan's second sample
+            # as a probe, then all local served, with a probe of the plan every 3 frames
+            assert ran[:3] == [("plan", False), ("local", True), ("plan", True)], ran
+            assert ran[-1] == ("local", False) and m.median_s(i, local) == local_s
+            assert sum(r == ("local", False) for r in ran) >= 6, ran
+        else:
+            # timed min_samples times, then dropped: no periodic probe of it ever after
+            assert [r for r in ran if r[0] == "local"] == [("local", True)] * 2, ran
+            assert ran[-4:] == [("plan", False)] * 4, ran
+    # Predicted beyond the margin and not link-free: never a candidate.
+    m = MeasuredChoice(margin=0.0, min_samples=1)
+    m.observe(i, plan, 0.050)
+    assert not m.candidate(i, plan, other) and m.candidate(i, plan, local)
+
+
 def test_drift_tracker_replans_after_sustained_drift():
     t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
     assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise

@@ -29,8 +29,9 @@ profile (saved when the backend closes).
 Close calls are settled by measurement (:class:`~robot_offload.partition.planner.MeasuredChoice`,
 latency objective, ``probe_every`` > 0): the bucket's alternatives (the best plan at
 another cut, all local, the best full offload) predicted within ``probe_margin`` of its
-plan are timed on real frames too and the fastest serves the bucket, because a plan never
-times the side it does not run on.
+plan, and all local whatever its prediction (timed once for every bucket, kept while it
+measures within the margin), are timed on real frames too and the fastest serves the
+bucket, because a plan never times the side it does not run on.
 """
 
 import json

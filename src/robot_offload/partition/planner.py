@@ -406,7 +406,8 @@ class MeasuredChoice:
     (a planner choosing full offload at 1.43 s predicted against 1.50 s for a local
     forward that now takes 1.26 s). Per bandwidth bucket, the alternatives predicted
     within ``margin`` of the plan (:attr:`PlanTable.alternatives`: the best plan at another
-    cut, all local, the best full offload) are run and timed too: each as a probe until it
+    cut, all local, the best full offload), and all local whatever its prediction
+    (:meth:`candidate`), are run and timed too: each as a probe until it
     has ``min_samples`` measurements (once the plan has one), then one of them in turn
     every ``every`` frames of the bucket; between probes the bucket serves the candidate
     whose median of the last ``window`` measured latencies is lowest. A probe is a real
@@ -429,8 +430,31 @@ class MeasuredChoice:
         self.probes = 0
 
     def close_call(self, plan, alternative) -> bool:
+        """``alternative`` is predicted within ``margin`` of ``plan``."""
         return (alternative is not None and alternative.key != plan.key
                 and alternative.latency_s <= plan.latency_s * (1 + self.margin))
+
+    def candidate(self, bucket, plan, alternative) -> bool:
+        """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``: a close
+        call; or a link-free plan (all local) until it has ``min_samples`` measurements,
+        and after that while its measured median is within ``margin`` of the plan's.
+
+        All local is the one alternative measured whatever its prediction, because being
+        wrong about it is what costs most on the small models (MobileNetV2, RegNetY: a
+        profile that predicted all local 1.3x slower than the plan while it ran 1.3x
+        faster, so it was never timed and the bucket kept offloading) and because timing
+        it is cheap: its measurements serve every bucket (see :meth:`_mkey`), so a run
+        pays ``min_samples`` frames of it once, not once per bucket."""
+        if alternative is None or alternative.key == plan.key:
+            return False
+        if self.close_call(plan, alternative):
+            return True
+        if not getattr(alternative, "link_free", False):
+            return False
+        if self._count(bucket, alternative) < self.min_samples:
+            return True
+        ref = self.median_s(bucket, plan)
+        return ref is not None and self.median_s(bucket, alternative) <= ref * (1 + self.margin)
 
     @staticmethod
     def _mkey(bucket, plan) -> Tuple[object, object]:
@@ -447,7 +471,7 @@ class MeasuredChoice:
         """(the plan to run, whether it is a probe)."""
         cands = {plan.key: plan}
         for a in alternatives or ():
-            if self.close_call(plan, a):
+            if self.candidate(bucket, plan, a):
                 cands.setdefault(a.key, a)
         if len(cands) == 1 or self.median_s(bucket, plan) is None:
             return plan, False
