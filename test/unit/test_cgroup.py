@@ -8,9 +8,19 @@ from robot_offload.testbed import TestbedError, cgroup
 
 
 def test_quota_arithmetic():
-    assert cgroup.quota_for_ratio(0.25) == 25_000
+    # a 20 ms period: a burst shorter than the kernel's usual 100 ms period's quota would
+    # run at full speed, and the robot would not be slower at every instant
+    assert cgroup.DEFAULT_PERIOD_US == 20_000
+    assert cgroup.quota_for_ratio(0.25) == 5_000
     assert cgroup.quota_for_ratio(2.0, 50_000) == 100_000
-    assert cgroup.quota_for_ratio(0.001) == cgroup.MIN_QUOTA_US  # kernel minimum 1 ms
+    # the period grows where the 1 ms minimum quota needs it, up to 1 s
+    assert cgroup.period_for_ratio(0.5) == 20_000 and cgroup.period_for_ratio(0.02) == 50_000
+    assert cgroup.quota_for_ratio(0.02) == cgroup.MIN_QUOTA_US
+    assert cgroup.period_for_ratio(0.0001) == cgroup.MAX_PERIOD_US
+    assert cgroup.quota_for_ratio(0.0001) == cgroup.MIN_QUOTA_US  # kernel minimum 1 ms
+    assert cgroup.quota_for_ratio(0.001, 100_000) == cgroup.MIN_QUOTA_US
+    with pytest.raises(ValueError):
+        cgroup.period_for_ratio(0)
     with pytest.raises(ValueError):
         cgroup.quota_for_ratio(0)
     with pytest.raises(ValueError):
@@ -19,7 +29,7 @@ def test_quota_arithmetic():
 
 def test_cpu_max_format_and_parse():
     assert cgroup.format_cpu_max(25_000, 100_000) == "25000 100000"
-    assert cgroup.format_cpu_max(None) == "max 100000"
+    assert cgroup.format_cpu_max(None) == "max 20000"
     assert cgroup.parse_cpu_max("max 100000\n") == (None, 100_000)
     assert cgroup.parse_cpu_max("50000 100000") == (50_000, 100_000)
     with pytest.raises(ValueError):
@@ -73,8 +83,8 @@ def test_cpu_limit_v1_writes_quota_and_removes_group(tmp_path):
     with cgroup.CpuLimit(0.25, mechanism=mech, remove_dir=_remove_tree,
                          proc_root=str(tmp_path / "noproc")) as lim:
         assert os.path.basename(lim.path).startswith(f"rotb-{os.getpid()}-")
-        assert open(os.path.join(lim.path, "cpu.cfs_quota_us")).read() == "25000"
-        assert open(os.path.join(lim.path, "cpu.cfs_period_us")).read() == "100000"
+        assert open(os.path.join(lim.path, "cpu.cfs_quota_us")).read() == "5000"
+        assert open(os.path.join(lim.path, "cpu.cfs_period_us")).read() == "20000"
         lim.add(4242)
         assert open(lim.procs_file).read() == "4242"
         assert lim.ratio == pytest.approx(0.25)
