@@ -21,7 +21,8 @@ The layer-partition frames lop runs feed the same drift tracker as layer partiti
 the schedules are solved again when the load factors move. The bucket's schedule and
 what ``layer_partition`` would consider there (its plan, the best plan at another cut,
 all local, full offload) are timed against each other when their predictions are within
-``probe_margin`` (layer_partition's measured choice), and the fastest serves the bucket.
+``probe_margin`` (layer_partition's measured choice; all local whatever its prediction),
+and the fastest serves the bucket.
 """
 
 import logging
