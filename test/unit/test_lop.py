@@ -523,6 +523,27 @@ def test_spatial_frames_do_not_feed_the_drift_tracker(shared_server, profile_dir
         client.close()
 
 
+def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profile_dir):
+    """A schedule's first run is no latency sample (it sets kernels up), except all local:
+    the model's own forward, nothing new to set up, and a wasted sample costs a whole
+    local inference. A layer partition's first run is still left out."""
+    client = _client(shared_server, "vgg19", profile_dir, partition_codecs=("raw",),
+                     probe_every=5, replan_threshold=1e9)
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=7)
+        by_kind = {c.kind: c for c in st.profile.cuts}
+        for kind, sampled in ((OUTPUT_CUT, True), (INPUT_CUT, False)):
+            part = plan_for(st.profile, by_kind[kind].id, "raw/none", 20e6, st.cfg)
+            ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=1e6, latency_s=part.latency_s,
+                                                 energy_j=0.0, partition=part)], 0.0)
+            ls.current = None
+            frame, = _frames_at(backend, x, ref, 1, 20e6, kind)
+            assert not frame.extra["lop"]["spatial"]
+            assert (st.measured.median_s(("lop", 0), part) is not None) == sampled, kind
+    finally:
+        client.close()
+
+
 def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared_server, profile_dir):
     """A LOSS schedule without a spatial region is a layer partition, and lop gives it the
     alternatives layer_partition has in that bucket: here LOSS's full offload, predicted

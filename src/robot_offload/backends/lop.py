@@ -159,8 +159,11 @@ class LopBackend(LayerPartitionBackend):
                                                [st.table.plans[j]] + st.table.alternatives[j])
         # The first run of a schedule sets up kernels for its slab shapes (and the first
         # spatial frame has the server record the graph): not what it costs after, so it
-        # is no latency sample.
-        warm = not profiled_now and chosen.key in self._ran and (chosen is not plan or ls.prepared)
+        # is no latency sample. All local is never cold: it is the model's own forward,
+        # which every mode's local fallback has run, and a sample wasted on it costs a
+        # whole local inference.
+        cold = chosen.key not in self._ran and not getattr(chosen, "link_free", False)
+        warm = not profiled_now and not cold and (chosen is not plan or ls.prepared)
         self._ran.add(chosen.key)
         t0 = time.perf_counter()
         if chosen is plan:
