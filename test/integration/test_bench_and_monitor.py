@@ -119,6 +119,10 @@ def test_bench_quick_writes_report(tmp_path):
     assert all(r["lost"] == "False" for r in rows)
     assert {r["executed_mode"] for r in rows if r["mode_asked"] == "full_offload"} == {"full_offload"}
     assert "modes interleaved" in report
+    # the robot's quota and its period are stated (the 100 ms period let bursts run at
+    # full speed); where no cgroup is writable the report says the CPU was not limited
+    assert ("robot side limited to 0.5 CPU" in report and "quota 10 ms per 20 ms period" in report
+            or "robot CPU NOT limited" in report), report[:3000]
     for trace in ("const50M", "outdoor"):
         # publication order: frame by frame, the modes' order rotated by one per frame
         # (local 0, full_offload 0, full_offload 1, local 1, local 2, full_offload 2)

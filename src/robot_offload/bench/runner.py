@@ -213,9 +213,11 @@ class BenchRunner:
         if mech.kind == "threads":
             self.notes.append(f"robot CPU NOT limited (no writable cgroup: {mech.reason})")
             return nullcontext(None)
-        self.notes.append(f"robot side limited to {cfg.robot_cpus:g} CPU ({mech.kind}); the server "
-                          f"side shares the remaining {os.cpu_count()}-CPU machine")
-        return CpuLimit(ratio=cfg.robot_cpus)
+        lim = CpuLimit(ratio=cfg.robot_cpus)
+        self.notes.append(f"robot side limited to {cfg.robot_cpus:g} CPU ({mech.kind}, quota "
+                          f"{lim.quota_us / 1000:g} ms per {lim.period_us / 1000:g} ms period); the "
+                          f"server side shares the remaining {os.cpu_count()}-CPU machine")
+        return lim
 
     def _run_model(self, tb, lim, model, server_env, robot_env) -> List[dict]:
         cfg = self.cfg
