@@ -184,6 +184,60 @@ def _spatial_plan(loss, st, region_index: int, step: int, bw: float = 20e6, enco
     return _lop_plan(cand, encoding, predict(st.profile, cand, encoding, bw, st.cfg), bw)
 
 
+
+def test_a_3d_head_with_reshape_and_argmax_is_local_and_its_stripes_join():
+    """AGRNav's semantic head: BEV channels reshaped into C x Z (rows move from dim 2 to 3),
+    dilated 3D convolutions along those rows, a per-voxel argmax over the classes and a
+    cast; and a reduction over Z. All keep rows apart, so the region reaches the outputs,
+    and the stripes, joined, are the whole outputs. A flatten mixes the rows: global."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lift = nn.Conv2d(4, 6, 1)
+            self.c3 = nn.Conv3d(2, 2, 3, padding=2, dilation=2)
+            self.cls = nn.Conv3d(2, 5, (1, 3, 1), padding=(0, 1, 0))
+
+        def forward(self, x):
+            n, _, h, w = x.shape
+            v = self.lift(x).reshape(n, 2, 3, h, w)
+            v = v + self.c3(v).relu()
+            return self.cls(v).argmax(1).to(torch.uint8), v.sum(2)
+
+    class Flat(nn.Module):
+        def forward(self, x):
+            return x.reshape(x.shape[0], -1), x.reshape(1, 2, 2, 13, 7).permute(0, 1, 3, 2, 4).reshape(1, 4, 13, 7)
+
+    torch.manual_seed(0)
+    net = Head().eval()
+    g = capture(net, leaf_modules=())
+    x = torch.randn(1, 4, 13, 7)
+    metas, _ = g.record(x)
+    sg = SpatialGraph(g, metas)
+    kinds = sg.kinds()
+    assert kinds["reshape"] == kinds["to"] == kinds["add"] == "elementwise"
+    assert kinds["c3"] == kinds["cls"] == kinds["lift"] == "block"
+    assert kinds["argmax"] == kinds["sum_1"] == "rowwise"
+    assert (sg.axis("reshape"), sg.axis("c3"), sg.axis("argmax"), sg.axis("sum_1")) == (3, 3, 2, 2)
+    g_flat = capture(Flat(), leaf_modules=())
+    flat_kinds = SpatialGraph(g_flat, g_flat.record(x)[0]).kinds()
+    assert flat_kinds["reshape"] == "global"                        # rows into one axis
+    assert flat_kinds["reshape_1"] == flat_kinds["permute"] == "elementwise"
+    assert flat_kinds["reshape_2"] == "global"     # 2 x R x 2 x W into 4 x R x W mixes rows
+    region = sg.region(g.input_cut(), g.output_cut())
+    with torch.inference_mode():
+        labels, z_sum = net(x)
+    for share in (0.0, 0.3, 0.5, 0.81, 1.0):
+        _slab_check(sg, region, {g.inputs[0]: x}, {"to": labels, "sum_1": z_sum}, share)
+    # LOSS: a region ending at the outputs sends nothing back up (no transfer B), and only
+    # the server's rows of the outputs come down
+    from robot_offload.partition.loss import stripe_cost
+    cost = stripe_cost(sg, region, 0.3, {})
+    server_rows = 13 - int(round(0.3 * 13))
+    assert cost.b_raw_bytes == 0 and cost.a_raw_bytes > 0
+    assert cost.down_share == pytest.approx(server_rows / 13)
+    inner = stripe_cost(sg, sg.region(g.input_cut(), g.cut(["add"])), 0.3, {})
+    assert inner.b_raw_bytes > 0 and inner.down_share == 1.0
+
 @pytest.mark.parametrize("model", LOP_MODELS)
 def test_every_plan_loss_produces_equals_local(shared_server, profile_dir, model):
     """Each lop model: each distinct schedule of the lossless table at 5/20/50/100 Mbit/s,
@@ -206,9 +260,15 @@ def test_every_plan_loss_produces_equals_local(shared_server, profile_dir, model
             stats = FrameStats()
             y = backend.run_schedule(x, p, stats, 120)
             _assert_same_outputs(y, ref, f"{model} {p.describe()}")
-            if p.spatial:
+            if p.spatial and backend.region_of(ls.spatial, p)[2].kind == OUTPUT_CUT:
+                # ends at the outputs: one request, the robot keeps its rows of them
+                assert stats.round_trips == 1 and stats.extra["lop"]["bytes_b"] == 0
+                full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
+                assert 0 < stats.bytes_down < full, (stats.bytes_down, full)
+            elif p.spatial:
                 assert stats.round_trips == 2
                 assert stats.extra["lop"]["bytes_a"] + stats.extra["lop"]["bytes_b"] > 0
+            if p.spatial:
                 assert math.isfinite(stats.predicted_latency_s)
     finally:
         client.close()

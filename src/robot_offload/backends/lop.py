@@ -14,7 +14,9 @@ bandwidth changes:
   computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
   last cut's tensors); the server joins the rows and runs the rest
   (:mod:`robot_offload.partition.lop_executor`). Two round trips, overlapped with the
-  robot's computation.
+  robot's computation. When the region reaches the model's outputs there is no B: the
+  server answers A with its rows of the outputs and the robot joins them under its own
+  (one round trip; only the server's share of the outputs comes down).
 
 The layer-partition frames lop runs feed the same drift tracker as layer partitioning
 (spatial frames do not: their stripe predictions are biased, see ``_run_spatial``), and
@@ -38,8 +40,8 @@ from robot_offload import codec, structure
 from robot_offload.backends.base import register_backend
 from robot_offload.backends.layer_partition import (LayerPartitionBackend, _encode, _json,
                                                     frame_codec)
-from robot_offload.errors import OffloadTimeout
-from robot_offload.partition.graph import INPUT_CUT, Cut
+from robot_offload.errors import OffloadTimeout, RemoteError
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut
 from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
@@ -259,6 +261,9 @@ class LopBackend(LayerPartitionBackend):
         fut_a.add_done_callback(lambda _: a_done.append(time.perf_counter()))
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
+        if c2.kind == OUTPUT_CUT:
+            return self._join_outputs(x, plan, stats, region, c1, c2, first, mine, robot_rows,
+                                      fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw))
         b_parts = {}
         for name in region.outputs:
             upto = held_from(need_s, name, sg.rows(name))
@@ -319,3 +324,59 @@ class LopBackend(LayerPartitionBackend):
             "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
+
+    def _join_outputs(self, x, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut, first, mine,
+                      robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
+                      sent):
+        """The end of a frame whose region ends at the model's outputs: the server's
+        answer to A carries its rows of every output (see
+        :mod:`~robot_offload.partition.lop_executor`); they go under the robot's own rows
+        and the outputs are assembled here. Nothing is sent after A, and only the server's
+        share of the outputs comes down."""
+        sg = self.lop_state(x).spatial
+        t_r = time.perf_counter()
+        stats.add_compute(t_a, t_r)
+        try:
+            resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            raise OffloadTimeout("lop: the server's stripe did not arrive before the deadline") from None
+        raise_for_status(resp_a.status, resp_a.status_text)
+        t_a_done = a_done[0] if a_done else time.perf_counter()
+        theirs = {t.name: codec.decode(t) for t in resp_a.tensors}
+        joined = []
+        for name in c2.crossing:
+            if name in region.inputs:           # passes over the region: the robot has it
+                joined.append(first[name])
+                continue
+            ax, s = sg.axis(name), robot_rows[name][1]
+            parts = []
+            if s > 0:
+                t, r0 = mine[name]
+                parts.append(t.narrow(ax, -r0, s))
+            if s < sg.rows(name):
+                part = theirs.get(name)
+                expected = list(sg.metas[name].shape)
+                expected[ax] = sg.rows(name) - s
+                if part is None or list(part.shape) != expected:
+                    raise RemoteError(f"lop: the server's rows of {name!r} are missing or have shape "
+                                      f"{None if part is None else list(part.shape)}, not {expected}")
+                parts.append(part.to(parts[0].dtype) if parts else part)
+            joined.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=ax))
+        with torch.inference_mode():
+            y = self.graph.tail_module(c2)(*joined, *self.graph.static_values(c2, sg.metas))
+        t_end = time.perf_counter()
+        stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,
+                       req_a.payload_bytes, resp_a.payload_bytes)
+        stats.add_compute(max(t_r, t_a_done), t_end)
+        codec_a, bw = sent
+        stats.extra["lop"] = {
+            "schedule": plan.describe(), "spatial": True, "share": plan.share,
+            "first": c1.label, "last": c2.label, "codec": plan.codec,
+            "codec_sent": [codec_a], "guarded": codec_a != plan.codec,
+            "compression": plan.compression, "bandwidth_bps": bw,
+            "predicted_s": plan.latency_s, "actual_s": t_end - t0,
+            "bytes_a": req_a.payload_bytes, "bytes_b": 0, "bytes_down": resp_a.payload_bytes,
+            "server_stripe_s": resp_a.server_compute_s, "server_tail_s": 0.0,
+            "robot_stripe_s": t_r - t_a, "solve_s": self.lop_state(x).table.solve_s,
+            "replans": self.replans}
+        return y

@@ -29,6 +29,12 @@ Latency model, the two-machine recurrences of §4.2 for this schedule (``B`` ban
     b_in     = max(robot, a_sent) + bytes(B) * 8 / B + rtt/2
     latency  = max(b_in, s_ready) + server_tail(c2) + down + rtt/2
 
+A region that ends at the model's outputs has no transfer B and no tail: the robot keeps
+its rows of the outputs, the server's rows come down in the answer to A, so only the
+server's share ``s`` of the output bytes crosses::
+
+    latency  = max(robot, s_ready + s * down + rtt/2)
+
 ``stripe_*`` is the sum over region nodes of the node's robot time times the share of its
 rows that side computes (halo included); ``server_tail`` the measured tail time of ``c2``
 when there is one (as in layer partitioning). Energy: compute power while the robot
@@ -68,7 +74,7 @@ from robot_offload.partition.spatial import Region, SpatialGraph
 
 log = logging.getLogger(__name__)
 
-LOSS_VERSION = 3
+LOSS_VERSION = 4
 
 #: A spatial schedule replaces the bucket's layer partition only when predicted at least
 #: this much better (relative). It costs two round trips instead of one, a second recorded
@@ -84,12 +90,15 @@ MIN_SPATIAL_GAIN = 0.05
 @dataclass(frozen=True)
 class StripeCost:
     """Bandwidth-independent figures of one (region, share): robot and server stripe
-    times at load 1 (robot seconds), raw bytes of transfers A and B."""
+    times at load 1 (robot seconds), raw bytes of transfers A and B, and the share of the
+    output bytes that comes down: 1 unless the region ends at the outputs, where the robot
+    keeps its rows and only the server's come down."""
 
     robot_s: float
     server_robot_s: float
     a_raw_bytes: float
     b_raw_bytes: float
+    down_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +258,13 @@ def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
     metas = spatial.metas
     a = sum(metas[n].nbytes * (need_s[n][1] - need_s[n][0]) / spatial.rows(n)
             for n in region.inputs if n in need_s)
+    if region.last.kind == OUTPUT_CUT:
+        # the robot keeps its rows of the outputs; the server's come down (pass-through
+        # outputs the robot already holds do not)
+        total = sum(metas[n].nbytes for n in region.outputs) or 1
+        down = sum(metas[n].nbytes * (server_rows[n][1] - server_rows[n][0]) / spatial.rows(n)
+                   for n in region.outputs if n not in region.inputs)
+        return StripeCost(robot_s, server_s, float(a), 0.0, down / total)
     b = sum(metas[n].nbytes * held_from(need_s, n, spatial.rows(n)) / spatial.rows(n)
             for n in region.outputs)
     return StripeCost(robot_s, server_s, float(a), float(b))
@@ -262,8 +278,12 @@ def held_from(need_server: Dict[str, Tuple[int, int]], name: str, rows: int) -> 
 
 def _ratio(cut: CutProfile, encoding: str) -> Optional[float]:
     """Wire bytes per raw byte of ``encoding`` at ``cut``; cuts the profile did not
-    measure encodings at (not layer-partition candidates) travel raw."""
-    if cut.kind == OUTPUT_CUT or not cut.bytes:
+    measure encodings at (not layer-partition candidates) travel raw. Nothing crosses the
+    output cut (a region ending there keeps the robot's rows on the robot), so any
+    encoding goes."""
+    if cut.kind == OUTPUT_CUT:
+        return 1.0
+    if not cut.bytes:
         return 1.0 if encoding == encoding_key("raw", "none") else None
     wire = cut.wire_bytes(encoding)
     if wire is None or not cut.raw_bytes:
@@ -314,8 +334,13 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     else:
         tail = server_time(profile, cand.last, cfg)
     down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
+    down *= c.down_share
     down_s = down * 8.0 / bandwidth_bps
-    latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2
+    if cand.last.kind == OUTPUT_CUT:
+        # no B: the server's rows come down in A's answer while the robot computes its own
+        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2)
+    else:
+        latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2
     busy = robot
     tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
     waiting = max(0.0, latency - busy)
@@ -334,7 +359,9 @@ def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
     cd, z = split_encoding(encoding)
     return LopPlan(bandwidth_bps=bw, latency_s=p.latency_s, energy_j=p.energy_j,
                    first=tuple(cand.region.inputs), last=tuple(cand.region.outputs),
-                   first_label=cand.first.label, last_label=cand.last.label, share=cand.share,
+                   first_label=cand.first.label,
+                   last_label="outputs" if cand.last.kind == OUTPUT_CUT else cand.last.label,
+                   share=cand.share,
                    codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes)
 
 
@@ -423,11 +450,15 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     robot = (head + enc_a + r * robot_s + enc_b)[:, :, None]
     s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, :, None]
     b_in = np.maximum(robot, a_sent) + b_bytes[:, :, None] * 8.0 / bw + cfg.rtt_s / 2
-    latency = np.maximum(b_in, s_ready) + tail + down * 8.0 / bw + cfg.rtt_s / 2
+    share = np.array([c.cost.down_share for c in cands])[:, None, None]
+    keep = np.array([c.last.kind == OUTPUT_CUT for c in cands])[:, None, None]
+    down_s = down * share * 8.0 / bw
+    latency = np.where(keep, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
+                       np.maximum(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2)
     if cfg.objective == "latency":
         obj = latency
     else:
-        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down) * 8.0 / bw
+        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down * share) * 8.0 / bw
         waiting = np.maximum(0.0, latency - robot)
         obj = (cfg.compute_w * robot + cfg.transmit_w * np.minimum(waiting, tx)
                + cfg.idle_w * np.maximum(0.0, waiting - tx))

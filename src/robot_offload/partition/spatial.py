@@ -8,10 +8,14 @@ Operator classes
       or of constants that do not vary along the rows, stochastic depth, ``permute``,
       concatenation along a dimension other than the rows;
     * ``rowwise`` -- each output row needs the same input row: ``Linear`` and ``LayerNorm``
-      over trailing dimensions that do not include the rows (ConvNeXt's channels-last MLP);
+      over trailing dimensions that do not include the rows (ConvNeXt's channels-last MLP),
+      and reductions over one other dimension (``argmax``, ``sum``, ``mean``, ...);
     * ``block`` -- output rows need a window of input rows, given by kernel, stride,
-      padding and dilation: ``Conv2d``, ``MaxPool2d``, ``AvgPool2d``, ``ConvTranspose2d``,
-      nearest ``Upsample`` by an integer factor;
+      padding and dilation: ``Conv2d``, ``Conv3d`` (rows on any of its spatial axes),
+      ``MaxPool2d``, ``AvgPool2d``, ``ConvTranspose2d``, nearest ``Upsample`` by an
+      integer factor;
+    * ``reshape``/``view`` that regroups only the dimensions before and after the rows
+      counts as elementwise (the rows keep their elements, in order);
     * ``global`` -- everything else (pooling to a fixed size, flatten/reshape, softmax,
       attention, a detection head kept as a leaf module, anything not recognised). A global
       operator needs its whole input, so spatial parts must be combined before it.
@@ -61,7 +65,11 @@ ELEMENTWISE_FUNCTIONS = {operator.add, operator.mul, operator.sub, operator.true
                          torch.tanh, F.relu, F.relu6, F.silu, F.gelu, F.hardswish, F.sigmoid,
                          F.hardsigmoid, F.leaky_relu, F.dropout}
 ELEMENTWISE_METHODS = {"relu", "sigmoid", "tanh", "add", "mul", "sub", "div", "contiguous",
-                       "clone", "float", "half"}
+                       "clone", "float", "half", "to"}
+#: reductions over one named dimension: row-preserving when that dimension is not the rows
+REDUCE_METHODS = {"argmax", "argmin", "sum", "mean", "amax", "amin"}
+REDUCE_FUNCTIONS = {torch.argmax, torch.argmin, torch.sum, torch.mean, torch.amax, torch.amin}
+RESHAPE_METHODS = {"reshape", "view"}
 
 
 def _stochastic_depth():
@@ -158,7 +166,9 @@ class SpatialGraph:
         if out is None:
             return OpInfo("global", None, "output is not a tensor")
         data = [a for a in n.all_input_nodes if self.graph.kinds[a.name] in ("input", "data")]
-        if any(self.graph.kinds[a.name] == "shape" for a in n.all_input_nodes):
+        reshape = ((n.op == "call_method" and n.target in RESHAPE_METHODS)
+                   or (n.op == "call_function" and n.target is torch.reshape))
+        if not reshape and any(self.graph.kinds[a.name] == "shape" for a in n.all_input_nodes):
             return self._global(n, "reads a shape")
         if not data:
             return self._global(n, "no data input")
@@ -171,6 +181,8 @@ class SpatialGraph:
         ax = src_info.row_axis
         if ax == 0:
             return self._global(n, "rows are the batch axis")
+        if reshape:
+            return self._classify_reshape(n, data, ax, out)
         if n.op == "call_module":
             return self._classify_module(n, self.graph.gm.get_submodule(n.target), data, ax, out)
         if n.op == "call_function":
@@ -228,23 +240,12 @@ class SpatialGraph:
             if ax >= nd - len(m.normalized_shape):
                 return self._global(n, "layer norm over the rows")
             return OpInfo("rowwise", ax)
+        if isinstance(m, nn.Conv3d) and len(data) == 1 and nd == 5 and ax >= 2:
+            return self._conv_info(n, m, ax)     # rows on any of D, H, W
         if len(data) != 1 or nd != 4 or ax != 2:
             return self._global(n, f"{type(m).__name__} not on N x C x H x W rows")
         if isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d):
-            if m.padding_mode != "zeros":
-                return self._global(n, f"padding mode {m.padding_mode}")
-            pad = m.padding
-            if isinstance(pad, str):
-                if pad == "valid":
-                    p = 0
-                elif m.stride[0] == 1 and (m.dilation[0] * (m.kernel_size[0] - 1)) % 2 == 0:
-                    p = m.dilation[0] * (m.kernel_size[0] - 1) // 2
-                else:
-                    return self._global(n, "asymmetric 'same' padding")
-            else:
-                p = pad[0]
-            return OpInfo("block", 2, op="conv", k=m.kernel_size[0], s=m.stride[0], p=p,
-                          d=m.dilation[0])
+            return self._conv_info(n, m, ax)
         if isinstance(m, nn.ConvTranspose2d):
             if m.padding_mode != "zeros":
                 return self._global(n, f"padding mode {m.padding_mode}")
@@ -271,12 +272,63 @@ class SpatialGraph:
             return OpInfo("block", 2, op="upsample", s=out[2] // shape_in[2], k=out[3] // shape_in[3])
         return self._global(n, type(m).__name__)
 
+    def _conv_info(self, n, m: nn.Module, ax: int) -> OpInfo:
+        """A convolution's window along the rows (spatial dimension ``ax - 2``)."""
+        if m.padding_mode != "zeros":
+            return self._global(n, f"padding mode {m.padding_mode}")
+        j = ax - 2
+        k, s, d = m.kernel_size[j], m.stride[j], m.dilation[j]
+        if isinstance(m.padding, str):
+            if m.padding == "valid":
+                p = 0
+            elif s == 1 and (d * (k - 1)) % 2 == 0:
+                p = d * (k - 1) // 2
+            else:
+                return self._global(n, "asymmetric 'same' padding")
+        else:
+            p = m.padding[j]
+        return OpInfo("block", ax, op="conv", k=k, s=s, p=p, d=d)
+
+    def _classify_reshape(self, n, data, ax, out) -> OpInfo:
+        """``reshape``/``view`` that only regroups the dimensions before the rows and those
+        after them: ``P x R x S`` to ``P' x R x S'`` with ``|P| = |P'|`` and ``|S| = |S'|``
+        keeps every row's elements together, in order (AGRNav lifting BEV channels into
+        ``C x Z`` before its 3D head). The target is the recorded output shape with the
+        stripe's row count (:meth:`_compute`), so the shape values it reads do not matter."""
+        if len(data) != 1:
+            return self._global(n, "reshape of several tensors")
+        shape_in = self._shape(data[0].name)
+        rows = shape_in[ax]
+        pre, post = math.prod(shape_in[:ax]), math.prod(shape_in[ax + 1:])
+        for ax_out in range(1, len(out)):
+            if out[ax_out] == rows and math.prod(out[:ax_out]) == pre and math.prod(out[ax_out + 1:]) == post:
+                return OpInfo("elementwise", ax_out, "reshape", op="reshape")
+        return self._global(n, "reshape mixes the rows with other dimensions")
+
+    def _classify_reduce(self, n, data, ax, out) -> OpInfo:
+        """A reduction over one dimension that is not the rows (``argmax(1)`` of per-class
+        scores): each output row needs the same input row."""
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        if len(data) != 1 or not isinstance(dim, int) or not isinstance(keepdim, bool):
+            return self._global(n, "reduction over all or computed dimensions")
+        nd_in = len(self._shape(data[0].name))
+        dim %= nd_in
+        if dim == ax:
+            return self._global(n, "reduction over the rows")
+        ax_out = ax - 1 if dim < ax and not keepdim else ax
+        if ax_out == 0 or ax_out >= len(out) or out[ax_out] != self._shape(data[0].name)[ax]:
+            return self._global(n, "reduction moves the rows")
+        return OpInfo("rowwise", ax_out, "reduction")
+
     def _classify_function(self, n, data, ax, out) -> OpInfo:
         t = n.target
         if t in self._elementwise_fns:
             return self._elementwise(n, data, ax, out)
         if t is torch.cat:
             return self._classify_cat(n, data, ax, out)
+        if t in REDUCE_FUNCTIONS:
+            return self._classify_reduce(n, data, ax, out)
         if t is torch.permute:
             return self._classify_permute(n, ax, n.args[1] if len(n.args) > 1 else n.kwargs.get("dims"))
         if t is F.layer_norm:
@@ -290,6 +342,8 @@ class SpatialGraph:
         t = n.target
         if t in ELEMENTWISE_METHODS:
             return self._elementwise(n, data, ax, out)
+        if t in REDUCE_METHODS:
+            return self._classify_reduce(n, data, ax, out)
         if t == "permute":
             dims = n.args[1:]
             if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
@@ -452,6 +506,12 @@ class SpatialGraph:
             return _run_block(self.graph.gm.get_submodule(n.target), info, x, ia, a, b,
                               self.rows(src.name))
 
+        if info.op == "reshape":
+            src = next(x for x in n.all_input_nodes if self.graph.kinds[x.name] in ("input", "data"))
+            target = list(self._shape(name))
+            target[info.row_axis] = b - a
+            return self._crop(src.name, have[src.name], rows).reshape(target)
+
         def value(arg: torch.fx.Node):
             k = self.graph.kinds[arg.name]
             if k in ("input", "data"):
@@ -477,6 +537,21 @@ def _call(gm: torch.fx.GraphModule, n: torch.fx.Node, args, kwargs):
     if n.op == "call_method":
         return getattr(args[0], n.target)(*args[1:], **kwargs)
     raise CutError(f"cannot evaluate a {n.op} node")
+
+
+def _conv_without_row_padding(m: nn.Module, x: torch.Tensor, j: int) -> torch.Tensor:
+    """``m`` (Conv2d or Conv3d) on ``x`` with its own padding except along spatial
+    dimension ``j``, the rows, which the caller has padded where the tensor ends."""
+    nsp = x.dim() - 2
+    if isinstance(m.padding, str):
+        pads = [0 if m.padding == "valid" else m.dilation[i] * (m.kernel_size[i] - 1) // 2
+                for i in range(nsp)]
+    else:
+        pads = list(m.padding)
+    pads[j] = 0
+    conv = F.conv2d if nsp == 2 else F.conv3d
+    return conv(x, m.weight, m.bias, stride=m.stride, padding=tuple(pads), dilation=m.dilation,
+                groups=m.groups)
 
 
 def _block_need(info: OpInfo, a: int, b: int, h_in: int) -> Rows:
@@ -513,12 +588,10 @@ def _run_block(m: nn.Module, info: OpInfo, x: torch.Tensor, ia: int, a: int, b: 
     pad_top, pad_bottom = max(0, -lo), max(0, hi - h_in)
     if pad_top or pad_bottom:
         fill = -math.inf if info.op == "maxpool" else 0.0
-        x = F.pad(x, (0, 0, pad_top, pad_bottom), value=fill)
+        # F.pad lists the last dimension first: nothing for those after the rows
+        x = F.pad(x, (0, 0) * (x.dim() - 1 - info.row_axis) + (pad_top, pad_bottom), value=fill)
     if info.op == "conv":
-        pw = m.padding[1] if not isinstance(m.padding, str) else (
-            0 if m.padding == "valid" else m.dilation[1] * (m.kernel_size[1] - 1) // 2)
-        return F.conv2d(x, m.weight, m.bias, stride=m.stride, padding=(0, pw),
-                        dilation=m.dilation, groups=m.groups)
+        return _conv_without_row_padding(m, x, info.row_axis - 2)
     if info.op == "maxpool":
         k, s, p, d = (_pair(m.kernel_size), _pair(m.stride or m.kernel_size), _pair(m.padding),
                       _pair(m.dilation))
