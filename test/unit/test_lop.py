@@ -653,3 +653,46 @@ def test_plan_switching_has_hysteresis():
     assert pick(1.2e6) is plans[0]
     ls.table = LopTable(buckets, list(reversed(plans)), 0.0)      # re-planned: look up again
     assert pick(1.2e6) is ls.table.plans[0]
+
+
+def test_stripe_calibration_folds_in_a_side_that_is_off_its_prediction():
+    from robot_offload.backends.lop import StripeCalibration
+    cal = StripeCalibration(threshold=0.15, window=5, min_samples=3)
+    for measured in (1.3, 1.5, 1.4):
+        assert not cal.update()
+        cal.observe("robot", 1.0, measured)
+        cal.observe("server", 0.5, 0.52)           # within the threshold: kept
+    assert cal.update()
+    assert cal.load == {"robot": pytest.approx(1.4), "server": 1.0}
+    assert not cal.update()                          # samples start over with the new plans
+    cal.observe("robot", 1.0, 0.0)
+    cal.observe("robot", 0.0, 5.0)                   # no prediction: ignored
+    cfg = cal.apply(PlannerConfig())
+    assert (cfg.stripe_robot_load, cfg.stripe_server_load) == (pytest.approx(1.4), 1.0)
+
+
+def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, profile_dir):
+    """AGRNav's schedules end at the outputs. Spatial frames whose robot stripe is predicted
+    at a third of what it measures make the backend solve again with the robot's stripes
+    scaled up, and the new schedule gives the robot a smaller share (LOSS itself: a
+    robot stripe twice as slow never gets a larger share)."""
+    client = _client(shared_server, "agrnav", profile_dir, partition_codecs=("raw",))
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=5)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        base = solve_grid(loss, 50e6, st.cfg, spatial_only=True)
+        slow = solve_grid(loss, 50e6, dataclasses.replace(st.cfg, stripe_robot_load=2.0), spatial_only=True)
+        assert base.spatial and slow.spatial and slow.share <= base.share
+        assert slow.robot_stripe_s > 0 and slow.server_stripe_s > 0
+        plan = dataclasses.replace(base, robot_stripe_s=base.robot_stripe_s / 3)
+        for _ in range(3):
+            y = backend.run_schedule(x, plan, FrameStats(), 120)
+            _assert_same_outputs(y, ref, "agrnav")
+        assert ls.calibration.load["robot"] > 2.0
+        ls = backend.lop_state(x)                     # starts the re-solve
+        deadline = time.monotonic() + 60
+        while ls.solving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ls.cfg.stripe_robot_load == ls.calibration.load["robot"]
+    finally:
+        client.close()

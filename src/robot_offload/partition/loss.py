@@ -109,6 +109,8 @@ class LopPrediction:
     a_bytes: float
     b_bytes: float
     server_s: float
+    robot_stripe_s: float = 0.0      # the robot's stripe alone, at the plan's load factors
+    server_stripe_s: float = 0.0     # the server's stripe alone
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class LopPlan:
     error: float = 0.0                 # profiled output error of the codec (worse cut)
     a_bytes: float = 0.0
     b_bytes: float = 0.0
+    robot_stripe_s: float = 0.0        # predicted stripe times (what frames calibrate)
+    server_stripe_s: float = 0.0
 
     @property
     def spatial(self) -> bool:
@@ -326,8 +330,10 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     enc_b = r * c.b_raw_bytes * _enc_s_per_byte(cand.last, encoding)
     head = r * (cand.first.head_s if cand.first.kind != INPUT_CUT else 0.0)
     a_sent = head + enc_a + a_bytes * 8.0 / bandwidth_bps
-    robot = head + enc_a + r * c.robot_s + enc_b
-    s_ready = a_sent + cfg.rtt_s / 2 + v * c.server_robot_s / cfg.server_speedup
+    robot_stripe = r * cfg.stripe_robot_load * c.robot_s
+    server_stripe = v * cfg.stripe_server_load * c.server_robot_s / cfg.server_speedup
+    robot = head + enc_a + robot_stripe + enc_b
+    s_ready = a_sent + cfg.rtt_s / 2 + server_stripe
     b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
     if cand.last.kind == OUTPUT_CUT:
         tail = 0.0
@@ -346,8 +352,8 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     waiting = max(0.0, latency - busy)
     energy = (cfg.compute_w * busy + cfg.transmit_w * min(waiting, tx)
               + cfg.idle_w * max(0.0, waiting - tx))
-    return LopPrediction(latency, energy, busy, a_bytes, b_bytes,
-                         v * c.server_robot_s / cfg.server_speedup + tail)
+    return LopPrediction(latency, energy, busy, a_bytes, b_bytes, server_stripe + tail,
+                         robot_stripe, server_stripe)
 
 
 def _objective(p, cfg: PlannerConfig) -> float:
@@ -362,7 +368,8 @@ def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
                    first_label=cand.first.label,
                    last_label="outputs" if cand.last.kind == OUTPUT_CUT else cand.last.label,
                    share=cand.share,
-                   codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes)
+                   codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes,
+                   robot_stripe_s=p.robot_stripe_s, server_stripe_s=p.server_stripe_s)
 
 
 def _partition_plan(plan: Plan) -> LopPlan:
@@ -437,8 +444,8 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     r, v = cfg.robot_load, cfg.server_load
     a_raw = np.array([c.cost.a_raw_bytes for c in cands])[:, None]
     b_raw = np.array([c.cost.b_raw_bytes for c in cands])[:, None]
-    robot_s = np.array([c.cost.robot_s for c in cands])[:, None]
-    srv_s = np.array([c.cost.server_robot_s for c in cands])[:, None]
+    robot_s = cfg.stripe_robot_load * np.array([c.cost.robot_s for c in cands])[:, None]
+    srv_s = cfg.stripe_server_load * np.array([c.cost.server_robot_s for c in cands])[:, None]
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
     tail = np.array([0.0 if c.last.kind == OUTPUT_CUT else server_time(loss.profile, c.last, cfg)
                      for c in cands])[:, None, None]

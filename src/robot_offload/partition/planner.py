@@ -75,6 +75,8 @@ class PlannerConfig:
     encodings: Optional[Tuple[str, ...]] = None   # "codec/compression" keys; None: all profiled
     robot_load: float = 1.0             # measured / profiled robot time
     server_load: float = 1.0            # measured / estimated server time
+    stripe_robot_load: float = 1.0      # lop: measured / predicted stripe times, on top of
+    stripe_server_load: float = 1.0     # the load factors (see backends.lop.StripeCalibration)
     tie_margin: float = 0.01            # objectives within this fraction of the best are
                                         # equal: the lowest profiled error among them wins
 
@@ -85,7 +87,8 @@ class PlannerConfig:
             raise ConfigError("error_tolerance must be >= 0 and error_safety >= 1")
         if not self.server_speedup > 0 or not self.rtt_s >= 0:
             raise ConfigError("server_speedup must be > 0 and rtt_s >= 0")
-        if not self.robot_load > 0 or not self.server_load > 0:
+        if not (self.robot_load > 0 and self.server_load > 0 and self.stripe_robot_load > 0
+                and self.stripe_server_load > 0):
             raise ConfigError("load factors must be > 0")
         if not 0 <= self.tie_margin < 1:
             raise ConfigError("tie_margin must be in [0, 1)")
