@@ -293,6 +293,18 @@ def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",
                          raw_size=raw_size, data=payload)
 
 
+def encode_or_raw(tensor: torch.Tensor, name: str, codec: str, compression: str) -> EncodedTensor:
+    """:func:`encode`, or raw (lossless) for a tensor ``codec`` cannot represent (float16
+    overflow, non-finite values for an integer codec): a lossy codec is a size choice,
+    and such a tensor must still reach the other side."""
+    try:
+        return encode(tensor, name, codec, compression)
+    except CodecError:
+        if codec == "raw":
+            raise
+        return encode(tensor, name, "raw", compression)
+
+
 def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """Check everything of ``enc`` that can be checked without decompressing or decoding
     it: field types, codec, compression, dtype, shape, sizes against each other and against

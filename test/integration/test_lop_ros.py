@@ -9,7 +9,7 @@ import torch
 
 from robot_offload import backends
 from robot_offload.client import ClientConfig, OffloadClient
-from robot_offload.partition.loss import Candidate, Loss, _lop_plan, predict
+from robot_offload.partition.loss import Loss, _lop_plan, predict
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.stats import FrameStats
 
@@ -33,9 +33,8 @@ def test_spatial_schedules_over_ros_services_equal_local(launch, tmp_path):
         ls, st = backend.lop_state(x), backend.state(x)
         loss = Loss(backend.graph, ls.spatial, st.profile)
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
-        region, p1, p2 = loss.regions[i]
         for step in (3, 8, 13):
-            cand = Candidate(region, step / 16, loss.cost(i, step), p1, p2)
+            cand = loss.candidate(i, step)
             plan = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
             s = FrameStats()
             y = backend.run_schedule(x, plan, s, 60)

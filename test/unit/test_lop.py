@@ -29,7 +29,7 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, capture
-from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, Candidate, LopPlan, LopTable, Loss,
+from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, LopPlan, LopTable, Loss, join_encoding,
                                           compare_solvers, load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
 from robot_offload.partition.planner import PlannerConfig, plan_for
@@ -179,8 +179,7 @@ def test_operator_classes():
 def _spatial_plan(loss, st, region_index: int, step: int, bw: float = 20e6, encoding: str = "raw/none"):
     """A spatial schedule of region ``region_index`` with the robot's share ``step`` / 16."""
     from robot_offload.partition.loss import _lop_plan, predict
-    region, p1, p2 = loss.regions[region_index]
-    cand = Candidate(region, step / 16, loss.cost(region_index, step), p1, p2)
+    cand = loss.candidate(region_index, step)
     return _lop_plan(cand, encoding, predict(st.profile, cand, encoding, bw, st.cfg), bw)
 
 
@@ -260,12 +259,15 @@ def test_every_plan_loss_produces_equals_local(shared_server, profile_dir, model
             stats = FrameStats()
             y = backend.run_schedule(x, p, stats, 120)
             _assert_same_outputs(y, ref, f"{model} {p.describe()}")
-            if p.spatial and backend.region_of(ls.spatial, p)[2].kind == OUTPUT_CUT:
-                # ends at the outputs: one request, the robot keeps its rows of them
+            if p.spatial and p.robot_joins:
+                # one request: the server's rows come down, the robot joins them
                 assert stats.round_trips == 1 and stats.extra["lop"]["bytes_b"] == 0
-                full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
-                assert 0 < stats.bytes_down < full, (stats.bytes_down, full)
+                assert stats.extra["lop"]["join"] == "robot"
+                if backend.region_of(ls.spatial, p)[2].kind == OUTPUT_CUT:
+                    full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
+                    assert stats.bytes_down < full, (stats.bytes_down, full)
             elif p.spatial:
+                assert backend.region_of(ls.spatial, p)[2].kind != OUTPUT_CUT
                 assert stats.round_trips == 2
                 assert stats.extra["lop"]["bytes_a"] + stats.extra["lop"]["bytes_b"] > 0
             if p.spatial:
@@ -409,6 +411,50 @@ def test_no_local_operators_degrades_to_layer_partitioning():
     assert not plan.spatial and plan.partition is not None
 
 
+def test_the_robot_joins_before_a_cheap_tail_whose_outputs_are_large(shared_server, profile_dir):
+    """KAPAO: its decoder (a leaf, global) takes milliseconds and turns the head maps into
+    as many decoded values, so joining the maps on the robot and decoding there sends the
+    server's rows of the maps down instead of the robot's rows up and the whole
+    predictions down. LOSS lists both joins of a region and prices this one lower at a
+    low bandwidth; run, it is one request whose outputs equal local's, with fewer bytes
+    down than the predictions."""
+    client = _client(shared_server, "kapao_l", profile_dir, partition_codecs=("raw",))
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=12)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        inner = [i for i, (_, _, p2, joins) in enumerate(loss.regions)
+                 if joins and p2.kind != OUTPUT_CUT]
+        assert inner, "no region joined on the robot before the outputs"
+        i = max(inner, key=lambda i: len(loss.regions[i][0].nodes))
+        region, _, p2, _ = loss.regions[i]
+        head = backend.graph.cut(p2.crossing).head
+        assert any("detect" in n for n in backend.graph.order if n not in head), p2.label
+        # the same region joined on the server is listed too, right before it
+        j = i - 1
+        assert loss.regions[j][0] is region and not loss.regions[j][3]
+        robot_join = loss.candidate(i, 8)
+        server_join = loss.candidate(j, 8)
+        assert robot_join.cost.b_raw_bytes == 0 and robot_join.cost.down_share == 0
+        assert 0 < robot_join.cost.join_raw_bytes < server_join.cost.b_raw_bytes * 1.5
+        at_5 = [predict(st.profile, c, "raw/none", 5e6, st.cfg).latency_s for c in (robot_join, server_join)]
+        assert at_5[0] < at_5[1], at_5
+        plan = _spatial_plan(loss, st, i, 8)
+        assert plan.robot_joins and "robot joins" in plan.describe()
+        stats = FrameStats()
+        y = backend.run_schedule(x, plan, stats, 120)
+        _assert_same_outputs(y, ref, plan.describe())
+        lop = stats.extra["lop"]
+        assert stats.round_trips == 1 and lop["bytes_b"] == 0 and lop["join"] == "robot", lop
+        full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
+        assert 0 < stats.bytes_down < full, (stats.bytes_down, full)
+        # a lossy plan's rows come down as float16 (its integer codec's range guard needs
+        # the tensors before encoding, which are on the server); a lossless plan's raw
+        assert [join_encoding(e) for e in ("int8/zstd", "float16/none", "raw/bitshuffle_zstd")] == \
+            ["float16/zstd", "float16/none", "raw/bitshuffle_zstd"]
+    finally:
+        client.close()
+
+
 def _lop_request(args, tensors=(), client_id="t"):
     return ComputeRequest(client_id=client_id, model="vgg19", entry="lop_part",
                           tensors=list(tensors), args_json=json.dumps(args))
@@ -433,6 +479,8 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
             {**good, "split": {"features_36": 99}},
             {**good, "split": {}},
             {**good, "input_shape": [1, 3, -4, 4]},
+            {**good, "join": "sideways"},
+            {**good, "join": 1},
         ]
         for i, args in enumerate(bad):
             args = {**args, "frame": args["frame"] if args["frame"] != good["frame"] else f"{i:08x}"}

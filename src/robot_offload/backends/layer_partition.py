@@ -45,7 +45,6 @@ import torch
 
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
-from robot_offload.errors import CodecError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
 from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, Plan, PlannerConfig,
                                              PlanTable, admits, predict)
@@ -318,9 +317,5 @@ def _json(obj) -> str:
 
 
 def _encode(t: torch.Tensor, name: str, codec_name: str, compression: str):
-    """Encode with the plan's codec; a tensor that codec cannot represent (float16 overflow,
-    non-finite values for an integer codec) goes raw, which is lossless."""
-    try:
-        return codec.encode(t, name, codec_name, compression)
-    except CodecError:
-        return codec.encode(t, name, "raw", compression)
+    """Encode with the plan's codec (raw where it cannot represent the tensor)."""
+    return codec.encode_or_raw(t, name, codec_name, compression)

@@ -14,9 +14,10 @@ bandwidth changes:
   computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
   last cut's tensors); the server joins the rows and runs the rest
   (:mod:`robot_offload.partition.lop_executor`). Two round trips, overlapped with the
-  robot's computation. When the region reaches the model's outputs there is no B: the
-  server answers A with its rows of the outputs and the robot joins them under its own
-  (one round trip; only the server's share of the outputs comes down).
+  robot's computation. When the robot joins (LOSS's choice, always when the region
+  reaches the model's outputs) there is no B: the server answers A with its rows of the
+  last cut's tensors, the robot puts them under its own and runs the rest itself (one
+  round trip; only the server's share of those tensors comes down).
 
 The layer-partition frames lop runs feed the same drift tracker as layer partitioning
 (spatial frames do not: their stripe predictions are biased, see ``_run_spatial``), and
@@ -45,9 +46,10 @@ from robot_offload.backends.layer_partition import (LayerPartitionBackend, _enco
                                                     frame_codec)
 from robot_offload.errors import OffloadTimeout, RemoteError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut
-from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
+from robot_offload.partition.loss import (LopPlan, LopTable, Loss, held_from, join_encoding,
+                                          load_or_solve)
 from robot_offload.partition.planner import PlannerConfig
-from robot_offload.partition.profile import DEFAULT_PROFILE_DIR
+from robot_offload.partition.profile import DEFAULT_PROFILE_DIR, encoding_key, split_encoding
 from robot_offload.partition.spatial import Region, SpatialGraph
 from robot_offload.protocol import ComputeRequest, raise_for_status
 
@@ -300,13 +302,19 @@ class LopBackend(LayerPartitionBackend):
         codec_a = frame_codec(plan, st.profile.cut(c1.id), a_parts, st.cfg) if a_parts else plan.codec
         a_tensors = [_encode(t, n, codec_a, plan.compression) for n, t in a_parts.items()]
         frame = secrets.token_hex(8)
+        robot_joins = plan.robot_joins or c2.kind == OUTPUT_CUT
+        args_a = {"phase": "part", "frame": frame, "first": list(region.inputs),
+                  "last": list(region.outputs),
+                  "split": {n: server_rows[n][0] for n in region.outputs}, "input_shape": shape}
+        # The encoding of what A's answer carries: the outputs as the client asks for them,
+        # or, when the robot joins before the outputs, the c2 rows as LOSS priced them.
+        down = (cfg.output_codec, cfg.compression)
+        if robot_joins and c2.kind != OUTPUT_CUT:
+            args_a["join"] = "robot"
+            down = split_encoding(join_encoding(encoding_key(plan.codec, plan.compression)))
         req_a = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
-            args_json=_json({"phase": "part", "frame": frame, "first": list(region.inputs),
-                             "last": list(region.outputs),
-                             "split": {n: server_rows[n][0] for n in region.outputs},
-                             "input_shape": shape}),
-            output_codec=cfg.output_codec, output_compression=cfg.compression)
+            args_json=_json(args_a), output_codec=down[0], output_compression=down[1])
         t_a = time.perf_counter()
         stats.add_compute(t0, t_a)
         fut_a = link.transport.submit("compute", req_a, deadline - t_a)
@@ -314,8 +322,8 @@ class LopBackend(LayerPartitionBackend):
         fut_a.add_done_callback(lambda _: a_done.append(time.perf_counter()))
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
-        if c2.kind == OUTPUT_CUT:
-            return self._join_outputs(x, plan, stats, region, c1, c2, first, mine, robot_rows,
+        if robot_joins:
+            return self._join_on_robot(x, plan, stats, region, c1, c2, first, mine, robot_rows,
                                       fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
                                       observe_drift)
         b_parts = {}
@@ -374,7 +382,7 @@ class LopBackend(LayerPartitionBackend):
             "codec_sent": [codec_a, codec_b], "guarded": (codec_a, codec_b) != (plan.codec,) * 2,
             "compression": plan.compression, "bandwidth_bps": bw,
             "predicted_s": plan.latency_s, "actual_s": t_end - t0,
-            "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes,
+            "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes, "join": "server",
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
             "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
@@ -389,14 +397,14 @@ class LopBackend(LayerPartitionBackend):
             log.info("lop: stripes measured off their predictions; solving again with robot x%.2f, "
                      "server x%.2f", ls.calibration.load["robot"], ls.calibration.load["server"])
 
-    def _join_outputs(self, x, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut, first, mine,
-                      robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
-                      sent, observe: bool):
-        """The end of a frame whose region ends at the model's outputs: the server's
-        answer to A carries its rows of every output (see
-        :mod:`~robot_offload.partition.lop_executor`); they go under the robot's own rows
-        and the outputs are assembled here. Nothing is sent after A, and only the server's
-        share of the outputs comes down."""
+    def _join_on_robot(self, x, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut, first, mine,
+                       robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
+                       sent, observe: bool):
+        """The end of a frame whose rows the robot joins: the server's answer to A carries
+        its rows of every ``c2`` tensor (see :mod:`~robot_offload.partition.lop_executor`);
+        they go under the robot's own rows and the robot runs the tail after ``c2`` (when
+        ``c2`` is the outputs, only their assembly). Nothing is sent after A, and only the
+        server's share of ``c2`` comes down."""
         sg = self.lop_state(x).spatial
         t_r = time.perf_counter()
         stats.add_compute(t_a, t_r)
@@ -426,6 +434,7 @@ class LopBackend(LayerPartitionBackend):
                                       f"{None if part is None else list(part.shape)}, not {expected}")
                 parts.append(part.to(parts[0].dtype) if parts else part)
             joined.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=ax))
+        t_join = time.perf_counter()
         with torch.inference_mode():
             y = self.graph.tail_module(c2)(*joined, *self.graph.static_values(c2, sg.metas))
         t_end = time.perf_counter()
@@ -442,7 +451,9 @@ class LopBackend(LayerPartitionBackend):
             "compression": plan.compression, "bandwidth_bps": bw,
             "predicted_s": plan.latency_s, "actual_s": t_end - t0,
             "bytes_a": req_a.payload_bytes, "bytes_b": 0, "bytes_down": resp_a.payload_bytes,
+            "join": "robot",
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": 0.0,
+            "robot_tail_s": t_end - t_join,
             "robot_stripe_s": t_r - t_a, "solve_s": self.lop_state(x).table.solve_s,
             "replans": self.replans}
         return y

@@ -17,11 +17,13 @@ One lop inference is two requests with the same client-chosen ``frame`` id:
     with the same receptive-field walk as the robot). The server computes its stripe, keeps
     it for the frame and answers (no tensors).
 
-    When ``last`` is the output cut the answer instead carries the server's rows of every
-    output (from its split row to the bottom, encoded with the request's output codec;
-    ``result_json["rows"]`` names each one's first row) and the frame ends there: the
-    robot joins them under its own rows. One request per inference, and only the server's
-    share of the outputs comes down (AGRNav's 1.3 MB of occupancy and labels).
+    With ``"join": "robot"`` (optional; implied when ``last`` is the output cut) the
+    answer instead carries the server's rows of every ``last`` tensor (from its split row
+    to the bottom, encoded with the request's output codec; ``result_json["rows"]`` names
+    each one's first row) and the frame ends there: the robot joins them under its own
+    rows and runs the rest of the model itself. One request per inference, and only the
+    server's share of those tensors comes down (AGRNav's 1.3 MB of occupancy and labels;
+    KAPAO's head maps instead of its 2 MB of decoded predictions).
 
 ``{"phase": "finish", "frame": F, "last": [c2 names], "input_shape": [...]}``
     Transfer B: for every ``last`` tensor, the rows above those the server holds. The
@@ -56,6 +58,8 @@ from robot_offload.server import LoadedModel, OffloadServer, RequestRejected, ex
 ENTRY = "lop_part"
 PREPARE_KEYS = frozenset({"phase", "input_shape"})
 PART_KEYS = frozenset({"phase", "frame", "first", "last", "split", "input_shape"})
+PART_OPTIONAL = frozenset({"join"})
+JOINS = ("server", "robot")
 FINISH_KEYS = frozenset({"phase", "frame", "last", "input_shape"})
 FRAME_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_FRAMES = 32
@@ -96,8 +100,10 @@ def parse_args(args_json: str, max_elements: int) -> dict:
     keys = {"prepare": PREPARE_KEYS, "part": PART_KEYS, "finish": FINISH_KEYS}.get(phase)
     if keys is None:
         raise _bad("'phase' must be 'prepare', 'part' or 'finish'")
-    if set(args) != keys:
-        raise _bad(f"lop_part {phase} takes exactly {sorted(keys)}")
+    optional = PART_OPTIONAL if phase == "part" else frozenset()
+    if not keys <= set(args) <= keys | optional:
+        raise _bad(f"lop_part {phase} takes exactly {sorted(keys)}"
+                   + (f", and optionally {sorted(optional)}" if optional else ""))
     if phase != "prepare" and (not isinstance(args["frame"], str) or not FRAME_RE.match(args["frame"])):
         raise _bad("'frame' must be 8..64 lowercase hex digits")
     args["input_shape"] = input_shape(args["input_shape"], max_elements)
@@ -106,6 +112,8 @@ def parse_args(args_json: str, max_elements: int) -> dict:
     args["last"] = node_names(args["last"], "last")
     if phase == "part":
         args["first"] = node_names(args["first"], "first")
+        if args.get("join", "server") not in JOINS:
+            raise _bad(f"'join' must be one of {list(JOINS)}")
         split = args["split"]
         if not isinstance(split, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
                                                   for k, v in split.items()):
@@ -211,10 +219,10 @@ def _part(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
             if name in out and out[name][0].shape[sg.axis(name)] + out[name][1] != sg.rows(name):
                 raise _bad(f"the server's stripe of {name!r} does not reach the last row")
         frame.held = out
-        keep = c2.kind == OUTPUT_CUT
+        keep = c2.kind == OUTPUT_CUT or args.get("join") == "robot"
         if keep:
-            # The region ends at the model's outputs: the robot keeps its rows and this
-            # answer carries ours, so no finish follows.
+            # The robot joins the rows (always when the region ends at the model's
+            # outputs): this answer carries ours, so no finish follows.
             with _FRAMES_LOCK:
                 _FRAMES.pop(key, None)
             tensors, rows_sent = [], {}
@@ -223,8 +231,8 @@ def _part(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
                     t, r0 = out[name]
                     first_row = split[name]
                     t = t.narrow(sg.axis(name), first_row - r0, sg.rows(name) - first_row)
-                    tensors.append(codec.encode(t.contiguous(), name=name, codec=req.output_codec,
-                                                compression=req.output_compression))
+                    tensors.append(codec.encode_or_raw(t.contiguous(), name, req.output_codec,
+                                                       req.output_compression))
                     rows_sent[name] = first_row
     except RequestRejected as e:
         frame.error = str(e)

@@ -10,7 +10,9 @@ A lop schedule (:class:`LopPlan`) is
 * a *robot share* ``f``: the robot computes the top ``f`` of the rows of every tensor
   crossing ``c2``, the server the rest, each with the halo rows its block-wise operators
   need (recomputed on both sides instead of exchanged);
-* a transfer encoding (codec x compression) for both transfers.
+* a transfer encoding (codec x compression) for both transfers;
+* which side joins the rows of ``c2`` and runs the tail: the server (transfer B goes up,
+  the outputs come down) or the robot (the server's rows come down, nothing else).
 
 At run time (``lop`` backend) the robot runs the head, sends the server the rows of the
 ``c1`` tensors its stripe needs (transfer A), computes its own stripe *while A is on the
@@ -29,9 +31,18 @@ Latency model, the two-machine recurrences of §4.2 for this schedule (``B`` ban
     b_in     = max(robot, a_sent) + bytes(B) * 8 / B + rtt/2
     latency  = max(b_in, s_ready) + server_tail(c2) + down + rtt/2
 
-A region that ends at the model's outputs has no transfer B and no tail: the robot keeps
-its rows of the outputs, the server's rows come down in the answer to A, so only the
-server's share ``s`` of the output bytes crosses::
+The rows may instead be joined on the robot (``robot_joins``): the server answers A with
+its rows of the ``c2`` tensors, the robot puts them under its own and runs the tail
+itself. No transfer B and no output download; what crosses down is the server's share of
+``c2`` (``join`` bytes, encoded with :func:`join_encoding`)::
+
+    latency  = max(robot, s_ready + join + rtt/2) + r * tail_robot(c2)
+
+This pays when the tail is cheap and the outputs are large, as after a detection head's
+last convolutions: KAPAO's decoder takes 5 ms of the robot's 1.2 s and its decoded
+predictions are 2 MB, against the head maps' 24 KB as float16/zstd. A region that ends at
+the model's outputs always joins on the robot (there is no tail): only the server's share
+``s`` of the output bytes crosses::
 
     latency  = max(robot, s_ready + s * down + rtt/2)
 
@@ -43,7 +54,7 @@ rest. As the paper's constraint (2)-(3) keeps transfers below the raw input size
 schedule qualifies only with an encoding whose profiled error at both cuts, times the
 planner's safety factor, is within the tolerance.
 
-Solving. The decision space is (region, share, encoding): regions between the profile's
+Solving. The decision space is (region, joining side, share, encoding): regions between the profile's
 candidate cuts (already the cuts worth crossing), shares on a grid of ``1/share_steps``,
 all qualifying encodings. :func:`solve_grid` evaluates all of it (the stripe geometry is
 computed once per region and share, the rest is arithmetic per bandwidth), so it returns
@@ -74,7 +85,7 @@ from robot_offload.partition.spatial import Region, SpatialGraph
 
 log = logging.getLogger(__name__)
 
-LOSS_VERSION = 4
+LOSS_VERSION = 5
 
 #: A spatial schedule replaces the bucket's layer partition only when predicted at least
 #: this much better (relative). It costs two round trips instead of one, a second recorded
@@ -89,16 +100,19 @@ MIN_SPATIAL_GAIN = 0.05
 
 @dataclass(frozen=True)
 class StripeCost:
-    """Bandwidth-independent figures of one (region, share): robot and server stripe
-    times at load 1 (robot seconds), raw bytes of transfers A and B, and the share of the
-    output bytes that comes down: 1 unless the region ends at the outputs, where the robot
-    keeps its rows and only the server's come down."""
+    """Bandwidth-independent figures of one (region, share, joining side): robot and
+    server stripe times at load 1 (robot seconds), raw bytes of transfers A and B, the
+    share of the output bytes that comes down (1 when the server joins; the server's share
+    of the rows when the region ends at the outputs; 0 when the robot joins before them),
+    and the raw bytes of the server's rows of the ``c2`` tensors that come down when the
+    robot joins before the outputs."""
 
     robot_s: float
     server_robot_s: float
     a_raw_bytes: float
     b_raw_bytes: float
     down_share: float = 1.0
+    join_raw_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,7 @@ class LopPlan:
     b_bytes: float = 0.0
     robot_stripe_s: float = 0.0        # predicted stripe times (what frames calibrate)
     server_stripe_s: float = 0.0
+    robot_joins: bool = False          # the robot joins c2's rows and runs the tail
 
     @property
     def spatial(self) -> bool:
@@ -147,12 +162,14 @@ class LopPlan:
     def key(self) -> Tuple:
         if self.partition is not None:
             return ("partition", self.partition.cut_id, self.partition.encoding)
-        return ("lop", self.first, self.last, round(self.share, 6), self.codec, self.compression)
+        return ("lop", self.first, self.last, round(self.share, 6), self.codec, self.compression,
+                self.robot_joins)
 
     def describe(self) -> str:
         if self.partition is not None:
             return "layer_partition " + self.partition.describe()
-        return (f"lop {self.first_label} -> {self.last_label} robot {self.share:.0%} "
+        joins = " (robot joins)" if self.robot_joins and self.last_label != "outputs" else ""
+        return (f"lop {self.first_label} -> {self.last_label}{joins} robot {self.share:.0%} "
                 f"enc={self.codec}/{self.compression}")
 
     def to_dict(self) -> Dict:
@@ -169,6 +186,16 @@ class Candidate:
     cost: StripeCost
     first: CutProfile
     last: CutProfile
+    robot_joins: bool = False
+
+
+def join_encoding(encoding: str) -> str:
+    """How the server's rows of ``c2`` come down when the robot joins them: lossless if
+    the plan is, else float16, with the plan's compression. Not the plan's integer codec:
+    its range guard (:func:`~robot_offload.backends.layer_partition.frame_codec`) needs
+    the tensors before they are encoded, which here are on the server."""
+    cd, z = split_encoding(encoding)
+    return encoding_key("raw" if cd == "raw" else "float16", z)
 
 
 class Loss:
@@ -188,15 +215,22 @@ class Loss:
             except CutError:
                 continue
         cuts.sort(key=lambda pc: len(pc[1].head))
-        self.regions: List[Tuple[Region, CutProfile, CutProfile]] = []
+        spatial_regions = []
         for i, (p1, c1) in enumerate(cuts):
             for p2, c2 in cuts[i + 1:]:
-                if len(self.regions) >= max_regions:
+                if len(spatial_regions) >= max_regions:
                     break
                 try:
-                    self.regions.append((spatial.region(c1, c2), p1, p2))
+                    spatial_regions.append((spatial.region(c1, c2), p1, p2))
                 except CutError:
                     continue
+        #: (region, c1 profile, c2 profile, robot joins): a region ending at the outputs
+        #: is joined on the robot; any other is listed twice, once per joining side
+        self.regions: List[Tuple[Region, CutProfile, CutProfile, bool]] = []
+        for region, p1, p2 in spatial_regions:
+            if p2.kind != OUTPUT_CUT:
+                self.regions.append((region, p1, p2, False))
+            self.regions.append((region, p1, p2, True))
         self._costs: Dict[Tuple[int, int], StripeCost] = {}
         self.geometry_s = time.perf_counter() - t0
 
@@ -208,17 +242,21 @@ class Loss:
         key = (region_index, step)
         c = self._costs.get(key)
         if c is None:
-            region = self.regions[region_index][0]
+            region, _, _, robot_joins = self.regions[region_index]
             c = self._costs[key] = stripe_cost(self.spatial, region, step / self.share_steps,
-                                               self.profile.node_s)
+                                               self.profile.node_s, robot_joins)
         return c
 
+    def candidate(self, region_index: int, step: int) -> Candidate:
+        region, p1, p2, robot_joins = self.regions[region_index]
+        return Candidate(region, step / self.share_steps, self.cost(region_index, step), p1, p2,
+                         robot_joins)
+
     def candidates(self) -> List[Candidate]:
-        out = []
-        for i, (region, p1, p2) in enumerate(self.regions):
-            for step in range(1, self.share_steps):
-                out.append(Candidate(region, step / self.share_steps, self.cost(i, step), p1, p2))
-        return out
+        """Region-major, ``share_steps - 1`` shares per region (:func:`solve_buckets`
+        relies on the order)."""
+        return [self.candidate(i, step) for i in range(len(self.regions))
+                for step in range(1, self.share_steps)]
 
 
 def _boundary_cuts(graph: ModelGraph, spatial: SpatialGraph, profile: Profile) -> List[CutProfile]:
@@ -253,7 +291,7 @@ def stripe_seconds(spatial: SpatialGraph, region: Region, need: Dict[str, Tuple[
 
 
 def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
-                node_s: Dict[str, float]) -> StripeCost:
+                node_s: Dict[str, float], robot_joins: bool = False) -> StripeCost:
     robot_rows, server_rows = spatial.split_rows(region, share)
     need_r = spatial.needs(region, robot_rows)
     need_s = spatial.needs(region, server_rows)
@@ -269,6 +307,12 @@ def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
         down = sum(metas[n].nbytes * (server_rows[n][1] - server_rows[n][0]) / spatial.rows(n)
                    for n in region.outputs if n not in region.inputs)
         return StripeCost(robot_s, server_s, float(a), 0.0, down / total)
+    if robot_joins:
+        # the server's rows of each c2 tensor come down (not those passing over the region:
+        # the robot holds them whole)
+        join = sum(metas[n].nbytes * (server_rows[n][1] - server_rows[n][0]) / spatial.rows(n)
+                   for n in region.outputs if n not in region.inputs)
+        return StripeCost(robot_s, server_s, float(a), 0.0, 0.0, float(join))
     b = sum(metas[n].nbytes * held_from(need_s, n, spatial.rows(n)) / spatial.rows(n)
             for n in region.outputs)
     return StripeCost(robot_s, server_s, float(a), float(b))
@@ -308,10 +352,11 @@ def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List
     encs = list(cfg.encodings) if cfg.encodings is not None else profile.encodings
     out = []
     for e in encs:
-        if _ratio(cand.first, e) is None or _ratio(cand.last, e) is None:
+        last_e = join_encoding(e) if cand.robot_joins else e
+        if _ratio(cand.first, e) is None or _ratio(cand.last, last_e) is None:
             continue
-        cd = split_encoding(e)[0]
-        err = max(cand.first.codec_error(cd), cand.last.codec_error(cd) if cand.last.kind != OUTPUT_CUT else 0.0)
+        err = max(cand.first.codec_error(split_encoding(e)[0]),
+                  cand.last.codec_error(split_encoding(last_e)[0]))
         if admits(cfg, err):
             out.append((e, err))
     return out
@@ -335,24 +380,27 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     robot = head + enc_a + robot_stripe + enc_b
     s_ready = a_sent + cfg.rtt_s / 2 + server_stripe
     b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
-    if cand.last.kind == OUTPUT_CUT:
-        tail = 0.0
+    down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
+    down = down * c.down_share
+    if c.join_raw_bytes:
+        down += c.join_raw_bytes * _ratio(cand.last, join_encoding(encoding))
+    down_s = down * 8.0 / bandwidth_bps
+    if cand.robot_joins:
+        # no B: the server's rows come down in A's answer while the robot computes its
+        # own; then the robot runs the tail (none after the outputs)
+        tail = r * cand.last.tail_s
+        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2) + tail
+        robot += tail
     else:
         tail = server_time(profile, cand.last, cfg)
-    down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
-    down *= c.down_share
-    down_s = down * 8.0 / bandwidth_bps
-    if cand.last.kind == OUTPUT_CUT:
-        # no B: the server's rows come down in A's answer while the robot computes its own
-        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2)
-    else:
         latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2
     busy = robot
     tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
     waiting = max(0.0, latency - busy)
     energy = (cfg.compute_w * busy + cfg.transmit_w * min(waiting, tx)
               + cfg.idle_w * max(0.0, waiting - tx))
-    return LopPrediction(latency, energy, busy, a_bytes, b_bytes, server_stripe + tail,
+    return LopPrediction(latency, energy, busy, a_bytes, b_bytes,
+                         server_stripe + (0.0 if cand.robot_joins else tail),
                          robot_stripe, server_stripe)
 
 
@@ -369,7 +417,8 @@ def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
                    last_label="outputs" if cand.last.kind == OUTPUT_CUT else cand.last.label,
                    share=cand.share,
                    codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes,
-                   robot_stripe_s=p.robot_stripe_s, server_stripe_s=p.server_stripe_s)
+                   robot_stripe_s=p.robot_stripe_s, server_stripe_s=p.server_stripe_s,
+                   robot_joins=cand.robot_joins)
 
 
 def _partition_plan(plan: Plan) -> LopPlan:
@@ -427,6 +476,7 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     n_r = len(loss.regions)
     r_ratio_a = np.full((n_r, n_e), np.nan)
     r_ratio_b = np.full((n_r, n_e), np.nan)
+    r_ratio_j = np.zeros((n_r, n_e))
     r_eps_a = np.zeros((n_r, n_e))
     r_eps_b = np.zeros((n_r, n_e))
     r_err = np.full((n_r, n_e), np.inf)
@@ -436,9 +486,13 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
         for j, e in enumerate(encs):
             if e in ok:
                 r_ratio_a[ri, j], r_ratio_b[ri, j] = _ratio(first, e), _ratio(last, e)
+                if loss.regions[ri][3]:
+                    r_ratio_b[ri, j] = 0.0          # no B; the join's bytes come down instead
+                    r_ratio_j[ri, j] = _ratio(last, join_encoding(e))
                 r_eps_a[ri, j], r_eps_b[ri, j] = _enc_s_per_byte(first, e), _enc_s_per_byte(last, e)
                 r_err[ri, j] = ok[e]
     ratio_a, ratio_b = np.repeat(r_ratio_a, per, axis=0), np.repeat(r_ratio_b, per, axis=0)
+    ratio_j = np.repeat(r_ratio_j, per, axis=0)
     eps_a, eps_b = np.repeat(r_eps_a, per, axis=0), np.repeat(r_eps_b, per, axis=0)
     err = np.repeat(r_err, per, axis=0)
     r, v = cfg.robot_load, cfg.server_load
@@ -447,7 +501,10 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     robot_s = cfg.stripe_robot_load * np.array([c.cost.robot_s for c in cands])[:, None]
     srv_s = cfg.stripe_server_load * np.array([c.cost.server_robot_s for c in cands])[:, None]
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
-    tail = np.array([0.0 if c.last.kind == OUTPUT_CUT else server_time(loss.profile, c.last, cfg)
+    joins = np.array([c.robot_joins for c in cands])[:, None, None]
+    # the side that joins runs the tail: the server (its measured or estimated time) or the
+    # robot (its profiled time; none after the outputs)
+    tail = np.array([r * c.last.tail_s if c.robot_joins else server_time(loss.profile, c.last, cfg)
                      for c in cands])[:, None, None]
     a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
     enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
@@ -457,17 +514,19 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     robot = (head + enc_a + r * robot_s + enc_b)[:, :, None]
     s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, :, None]
     b_in = np.maximum(robot, a_sent) + b_bytes[:, :, None] * 8.0 / bw + cfg.rtt_s / 2
-    share = np.array([c.cost.down_share for c in cands])[:, None, None]
-    keep = np.array([c.last.kind == OUTPUT_CUT for c in cands])[:, None, None]
-    down_s = down * share * 8.0 / bw
-    latency = np.where(keep, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
+    share = np.array([c.cost.down_share for c in cands])[:, None]
+    join_raw = np.array([c.cost.join_raw_bytes for c in cands])[:, None]
+    down_bytes = (down * share + join_raw * ratio_j)[:, :, None]       # (c, e, 1)
+    down_s = down_bytes * 8.0 / bw
+    latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2) + tail,
                        np.maximum(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2)
     if cfg.objective == "latency":
         obj = latency
     else:
-        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down * share) * 8.0 / bw
-        waiting = np.maximum(0.0, latency - robot)
-        obj = (cfg.compute_w * robot + cfg.transmit_w * np.minimum(waiting, tx)
+        busy = np.where(joins, robot + tail, robot)
+        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down_bytes) * 8.0 / bw
+        waiting = np.maximum(0.0, latency - busy)
+        obj = (cfg.compute_w * busy + cfg.transmit_w * np.minimum(waiting, tx)
                + cfg.idle_w * np.maximum(0.0, waiting - tx))
     obj = np.where(np.isnan(obj), np.inf, obj)
     plans = []
@@ -509,8 +568,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
     def objective(x):
         evals[0] += 1
         ri, step, ei = decode(x)
-        region, p1, p2 = loss.regions[ri]
-        cand = Candidate(region, step / loss.share_steps, loss.cost(ri, step), p1, p2)
+        cand = loss.candidate(ri, step)
         ok = dict(encodings_for(loss.profile, cand, cfg))
         if encs[ei] not in ok:
             return 1e9
@@ -523,8 +581,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
     ri, step, ei = decode(res.x)
     if res.fun >= 1e9:
         return None, evals[0]
-    region, p1, p2 = loss.regions[ri]
-    cand = Candidate(region, step / loss.share_steps, loss.cost(ri, step), p1, p2)
+    cand = loss.candidate(ri, step)
     return _lop_plan(cand, encs[ei], predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down),
                      bandwidth_bps), evals[0]
 
