@@ -28,8 +28,9 @@ from robot_offload import backends, codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
-from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, capture
-from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, LopPlan, LopTable, Loss, join_encoding,
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, capture
+from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, ROBOT_TAIL_MAX_SHARE, LopPlan, LopTable, Loss,
+                                          RegionChoice, join_encoding,
                                           compare_solvers, load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
 from robot_offload.partition.planner import PlannerConfig, plan_for
@@ -411,27 +412,28 @@ def test_no_local_operators_degrades_to_layer_partitioning():
     assert not plan.spatial and plan.partition is not None
 
 
-def test_the_robot_joins_before_a_cheap_tail_whose_outputs_are_large(shared_server, profile_dir):
+def test_the_robot_runs_a_cheap_tail_whose_outputs_are_large(shared_server, profile_dir):
     """KAPAO: its decoder (a leaf, global) takes milliseconds and turns the head maps into
-    as many decoded values, so joining the maps on the robot and decoding there sends the
+    as many decoded values. Joining the maps on the robot and decoding there sends the
     server's rows of the maps down instead of the robot's rows up and the whole
-    predictions down. LOSS lists both joins of a region and prices this one lower at a
+    predictions down; LOSS lists both joins of a region and prices this one lower at a
     low bandwidth; run, it is one request whose outputs equal local's, with fewer bytes
-    down than the predictions."""
+    down than the predictions. A region joined on the server can hand the decoder back
+    too (``until``): two requests, the maps come down instead of the predictions."""
     client = _client(shared_server, "kapao_l", profile_dir, partition_codecs=("raw",))
     try:
         backend, x, ref, ls, st = _planned(client, seed=12)
         loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
-        inner = [i for i, (_, _, p2, joins) in enumerate(loss.regions)
-                 if joins and p2.kind != OUTPUT_CUT]
+        inner = [i for i, rc in enumerate(loss.regions)
+                 if rc.robot_joins and rc.last.kind != OUTPUT_CUT]
         assert inner, "no region joined on the robot before the outputs"
-        i = max(inner, key=lambda i: len(loss.regions[i][0].nodes))
-        region, _, p2, _ = loss.regions[i]
+        i = max(inner, key=lambda i: len(loss.regions[i].region.nodes))
+        region, p2 = loss.regions[i].region, loss.regions[i].last
         head = backend.graph.cut(p2.crossing).head
         assert any("detect" in n for n in backend.graph.order if n not in head), p2.label
-        # the same region joined on the server is listed too, right before it
-        j = i - 1
-        assert loss.regions[j][0] is region and not loss.regions[j][3]
+        # the same region joined on the server is listed too
+        j, = [k for k, rc in enumerate(loss.regions)
+              if rc.region is region and not rc.robot_joins and rc.until is None]
         robot_join = loss.candidate(i, 8)
         server_join = loss.candidate(j, 8)
         assert robot_join.cost.b_raw_bytes == 0 and robot_join.cost.down_share == 0
@@ -451,6 +453,35 @@ def test_the_robot_joins_before_a_cheap_tail_whose_outputs_are_large(shared_serv
         # the tensors before encoding, which are on the server); a lossless plan's raw
         assert [join_encoding(e) for e in ("int8/zstd", "float16/none", "raw/bitshuffle_zstd")] == \
             ["float16/zstd", "float16/none", "raw/bitshuffle_zstd"]
+        # joined on the server, which stops before the decoder: the region to the
+        # second-to-last candidate cut, the server running on to the last (at this size
+        # LOSS's own regions all reach the last; at 384x384 they do not)
+        g = backend.graph
+        first = loss.regions[i].first
+        c1 = g.input_cut() if first.kind == INPUT_CUT else g.cut(first.crossing)
+        cuts = [c for c in st.profile.cuts if c.kind == "inner" and c.bytes]
+        c3 = cuts[-1]
+        assert c3.tail_s <= ROBOT_TAIL_MAX_SHARE * st.profile.forward_s, (c3.label, c3.tail_s)
+        for p2 in reversed(cuts[:-1]):
+            try:
+                region2 = ls.spatial.region(c1, g.cut(p2.crossing))
+                break
+            except CutError:
+                continue
+        loss.regions.append(RegionChoice(region2, first, p2, False, c3))
+        k = len(loss.regions) - 1
+        assert any("detect" in n for n in backend.graph.order
+                   if n not in backend.graph.cut(c3.crossing).head), c3.label
+        plan = _spatial_plan(loss, st, k, 8)
+        assert plan.until == tuple(c3.crossing) and "robot from" in plan.describe()
+        stats = FrameStats()
+        y = backend.run_schedule(x, plan, stats, 120)
+        _assert_same_outputs(y, ref, plan.describe())
+        lop = stats.extra["lop"]
+        assert stats.round_trips == 2 and lop["join"] == "server" and lop["until"] == c3.label, lop
+        # raw head maps hold as many values as the predictions: the saving is in float16
+        # and compression (the maps compress, the decoded boxes far less)
+        assert lop["bytes_b"] > 0 and 0 < stats.bytes_down <= full, (stats.bytes_down, full)
     finally:
         client.close()
 
@@ -493,6 +524,9 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
         with pytest.raises(RequestRejected):
             lop_executor.lop_part(shared_server, loaded, _lop_request(args, [codec.encode(x, first[0])]))
         fin = {"phase": "finish", "frame": "aaaaaaaaaaaa", "last": last, "input_shape": shape}
+        for until in (5, [], [""], {"a": 1}):
+            with pytest.raises(RequestRejected):
+                lop_executor.parse_args(json.dumps({**fin, "until": until}), 10 ** 8)
         with pytest.raises(RequestRejected) as e:
             lop_executor.lop_part(shared_server, loaded, _lop_request(fin))
         assert "failed" in e.value.text

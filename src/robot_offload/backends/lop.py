@@ -334,11 +334,15 @@ class LopBackend(LayerPartitionBackend):
                 b_parts[name] = src.narrow(sg.axis(name), 0, upto).contiguous()
         codec_b = frame_codec(plan, st.profile.cut(c2.id), b_parts, st.cfg) if b_parts else plan.codec
         b_tensors = [_encode(t, n, codec_b, plan.compression) for n, t in b_parts.items()]
+        args_b = {"phase": "finish", "frame": frame, "last": list(region.outputs), "input_shape": shape}
+        down = (cfg.output_codec, cfg.compression)
+        if plan.until:
+            # the server stops at c3; its tensors come down as LOSS priced them
+            args_b["until"] = list(plan.until)
+            down = split_encoding(join_encoding(encoding_key(plan.codec, plan.compression)))
         req_b = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
-            args_json=_json({"phase": "finish", "frame": frame, "last": list(region.outputs),
-                             "input_shape": shape}),
-            output_codec=cfg.output_codec, output_compression=cfg.compression)
+            args_json=_json(args_b), output_codec=down[0], output_compression=down[1])
         t_b = time.perf_counter()
         stats.add_compute(t_a, t_b)
         resp_b = link.compute(req_b, deadline - t_b)
@@ -349,7 +353,11 @@ class LopBackend(LayerPartitionBackend):
             raise OffloadTimeout("lop: transfer A did not complete before the deadline") from None
         raise_for_status(resp_a.status, resp_a.status_text)
         t_a_done = a_done[0] if a_done else time.perf_counter()
-        y = structure.unflatten([codec.decode(t) for t in resp_b.tensors], resp_b.structure_json)
+        t_tail = time.perf_counter()
+        if plan.until:
+            y = self._robot_tail(plan.until, resp_b, sg)
+        else:
+            y = structure.unflatten([codec.decode(t) for t in resp_b.tensors], resp_b.structure_json)
         t_end = time.perf_counter()
         # Transfer time = wall time of each call minus the server's whole handling time
         # (B's includes waiting for A's stripe): what the bandwidth monitor divides the
@@ -383,10 +391,28 @@ class LopBackend(LayerPartitionBackend):
             "compression": plan.compression, "bandwidth_bps": bw,
             "predicted_s": plan.latency_s, "actual_s": t_end - t0,
             "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes, "join": "server",
+            "until": plan.until_label, "robot_tail_s": (t_end - t_tail) if plan.until else 0.0,
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
             "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
+
+    def _robot_tail(self, until, resp, sg: SpatialGraph):
+        """The rest of the model from cut ``until``, on the robot, on the tensors the
+        server's answer carries (each by name, whole)."""
+        c3 = self.graph.cut(until)
+        got = {t.name: t for t in resp.tensors}
+        tensors = []
+        for name in c3.crossing:
+            enc = got.get(name)
+            expected = list(sg.metas[name].shape)
+            if enc is None or list(enc.shape) != expected:
+                raise RemoteError(f"lop: the server's {name!r} is missing or has shape "
+                                  f"{None if enc is None else list(enc.shape)}, not {expected}")
+            t = codec.decode(enc)
+            tensors.append(t.to(sg.metas[name].dtype) if t.dtype != sg.metas[name].dtype else t)
+        with torch.inference_mode():
+            return self.graph.tail_module(c3)(*tensors, *self.graph.static_values(c3, sg.metas))
 
     def _calibrate(self, ls: _LopState, plan: LopPlan, robot_stripe_s: float, server_stripe_s: float) -> None:
         """A warm spatial frame's stripe times against the plan's predictions."""

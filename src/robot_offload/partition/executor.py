@@ -198,15 +198,18 @@ def check_tensors(req: ComputeRequest, cut: Cut, rec: Dict) -> List[int]:
 
 
 def run_tail(server: OffloadServer, loaded: LoadedModel, graph: ModelGraph, cut: Cut,
-             tensors: List[torch.Tensor], rec: Dict, runner=None):
+             tensors: List[torch.Tensor], rec: Dict, runner=None, until: Cut = None):
     """Run the tail of ``cut`` on the crossing ``tensors`` (shape values from ``rec``);
-    returns (outputs, compute seconds). ``runner(fn)`` runs ``fn`` elsewhere (lop's compute
-    thread); a failure of the model on these tensors is a BAD_REQUEST."""
+    returns (outputs, compute seconds). With ``until`` only the part up to that later cut
+    runs and the outputs are its crossing tensors (a tuple). ``runner(fn)`` runs ``fn``
+    elsewhere (lop's compute thread); a failure of the model on these tensors is a
+    BAD_REQUEST."""
     statics = graph.static_values(cut, rec)
+    module = graph.tail_module(cut) if until is None else graph.middle_module(cut, until)
 
     def tail():
         with torch.inference_mode():
-            y = graph.tail_module(cut)(*tensors, *statics)
+            y = module(*tensors, *statics)
         server.synchronize()
         return y
 

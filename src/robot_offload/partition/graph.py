@@ -395,6 +395,35 @@ class ModelGraph:
         g.output(out_arg)
         return self._finish(key, g)
 
+    def middle_module(self, first: Cut, last: Cut) -> torch.fx.GraphModule:
+        """``(*first's crossing tensors, *first's static values) -> tuple(last's crossing
+        tensors)``: the part of the graph between two cuts (``first`` earlier), sharing
+        parameters. What a server runs when it hands the rest of the model back to the
+        robot (lop's robot tail)."""
+        if not first.head <= last.head or last.kind == OUTPUT_CUT:
+            raise CutError("a middle part runs from a cut to a later cut before the outputs")
+        key = ("middle", first.crossing, last.crossing)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        g = torch.fx.Graph()
+        env: Dict[str, torch.fx.Node] = {}
+        for name in first.crossing + first.statics:
+            env[name] = g.placeholder(name)
+        keep = set(last.head - first.head)
+        stack = [a for n in list(keep) for a in self.by_name[n].all_input_nodes]
+        while stack:
+            a = stack.pop()
+            if a.name in keep or a.name in env or self.kinds[a.name] != "const":
+                continue
+            keep.add(a.name)
+            stack.extend(a.all_input_nodes)
+        for n in self.nodes:
+            if n.name in keep:
+                env[n.name] = g.node_copy(n, lambda a: env[a.name])
+        g.output(tuple(env[c] for c in last.crossing))
+        return self._finish(key, g)
+
     def _cached(self, key):
         with self._lock:
             gm = self._modules.get(key)

@@ -29,7 +29,10 @@ One lop inference is two requests with the same client-chosen ``frame`` id:
     Transfer B: for every ``last`` tensor, the rows above those the server holds. The
     server waits (at most ``wait_s``) for the frame's stripe, joins the rows and runs the
     tail of the model after ``last`` (as ``partition_tail`` does) and answers with the
-    outputs.
+    outputs. With ``"until": [c3 names]`` (optional; a cut after ``last``, before the
+    outputs) it runs only up to ``until`` and answers with those tensors, whole, named, in
+    the request's output codec: the robot runs the rest (a detection decoder that takes
+    milliseconds and turns 24 KB of head maps into 2 MB of predictions).
 
 Frames are kept per client id, at most :data:`MAX_FRAMES` in all and :data:`FRAME_TTL_S`
 seconds each; a ``finish`` without its ``part`` is refused once the wait expires. As for
@@ -61,6 +64,7 @@ PART_KEYS = frozenset({"phase", "frame", "first", "last", "split", "input_shape"
 PART_OPTIONAL = frozenset({"join"})
 JOINS = ("server", "robot")
 FINISH_KEYS = frozenset({"phase", "frame", "last", "input_shape"})
+FINISH_OPTIONAL = frozenset({"until"})
 FRAME_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_FRAMES = 32
 FRAME_TTL_S = 30.0
@@ -100,7 +104,7 @@ def parse_args(args_json: str, max_elements: int) -> dict:
     keys = {"prepare": PREPARE_KEYS, "part": PART_KEYS, "finish": FINISH_KEYS}.get(phase)
     if keys is None:
         raise _bad("'phase' must be 'prepare', 'part' or 'finish'")
-    optional = PART_OPTIONAL if phase == "part" else frozenset()
+    optional = {"part": PART_OPTIONAL, "finish": FINISH_OPTIONAL}.get(phase, frozenset())
     if not keys <= set(args) <= keys | optional:
         raise _bad(f"lop_part {phase} takes exactly {sorted(keys)}"
                    + (f", and optionally {sorted(optional)}" if optional else ""))
@@ -110,6 +114,8 @@ def parse_args(args_json: str, max_elements: int) -> dict:
     if phase == "prepare":
         return args
     args["last"] = node_names(args["last"], "last")
+    if "until" in args:
+        args["until"] = node_names(args["until"], "until")
     if phase == "part":
         args["first"] = node_names(args["first"], "first")
         if args.get("join", "server") not in JOINS:
@@ -294,13 +300,23 @@ def _finish(server, loaded, req, args, st, graph, rec, sg) -> ComputeResponse:
         if name in frame.held:
             parts.append(frame.held[name][0])
         tensors.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=sg.axis(name)))
+    c3 = None
+    if "until" in args:
+        c3 = _cut_any(st, graph, args["until"])
+        if c3.kind == OUTPUT_CUT or not c2.head < c3.head:
+            raise _bad("'until' must be a cut after 'last' and before the outputs")
     y, compute_s = run_tail(server, loaded, graph, c2, tensors, rec,
-                            runner=lambda fn: _COMPUTE.submit(fn).result())
+                            runner=lambda fn: _COMPUTE.submit(fn).result(), until=c3)
+    result = {"cut": c2.label, "kind": OUTPUT_CUT if c2.kind == OUTPUT_CUT else "inner"}
+    if c3 is not None:
+        out = [codec.encode_or_raw(t, name, req.output_codec, req.output_compression)
+               for name, t in zip(c3.crossing, y)]
+        result["until"] = c3.label
+        return ComputeResponse(status=StatusCode.OK, tensors=out, structure_json="null",
+                               result_json=json.dumps(result), server_compute_s=compute_s)
     out, spec = server.encode_outputs(y, req)
     return ComputeResponse(status=StatusCode.OK, tensors=out, structure_json=spec,
-                           result_json=json.dumps({"cut": c2.label,
-                                                   "kind": OUTPUT_CUT if c2.kind == OUTPUT_CUT else "inner"}),
-                           server_compute_s=compute_s)
+                           result_json=json.dumps(result), server_compute_s=compute_s)
 
 
 @executor(ENTRY)

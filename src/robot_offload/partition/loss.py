@@ -46,6 +46,12 @@ the model's outputs always joins on the robot (there is no tail): only the serve
 
     latency  = max(robot, s_ready + s * down + rtt/2)
 
+When the server joins, it may also hand the end of the model back (``until``, a cut
+``c3`` whose robot tail is cheap, :data:`ROBOT_TAIL_MAX_SHARE` of the forward or less):
+it runs only up to ``c3`` and ``c3``'s tensors come down instead of the outputs::
+
+    latency  = max(b_in, s_ready) + server(c2 -> c3) + c3 bytes + rtt/2 + r * tail_robot(c3)
+
 ``stripe_*`` is the sum over region nodes of the node's robot time times the share of its
 rows that side computes (halo included); ``server_tail`` the measured tail time of ``c2``
 when there is one (as in layer partitioning). Energy: compute power while the robot
@@ -74,7 +80,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
@@ -96,6 +102,22 @@ LOSS_VERSION = 5
 #: the layer partition; VGG-19 and DenseNet-121, predicted 18 % and 8 % better (medians),
 #: measured 6-16 % and 9-38 % faster.
 MIN_SPATIAL_GAIN = 0.05
+
+#: A cut qualifies as a robot tail's start (``until``) when the robot runs the rest of the
+#: model in at most this share of its whole forward: a decoder, not a network.
+ROBOT_TAIL_MAX_SHARE = 0.05
+
+
+class RegionChoice(NamedTuple):
+    """One region of LOSS's decision space with its joining side: ``first``/``last`` are
+    the profiles of its cuts; ``until`` the profile of the cut the server stops at when it
+    joins and the robot runs the rest (None: the server runs to the outputs)."""
+
+    region: Region
+    first: CutProfile
+    last: CutProfile
+    robot_joins: bool
+    until: Optional[CutProfile] = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +170,8 @@ class LopPlan:
     robot_stripe_s: float = 0.0        # predicted stripe times (what frames calibrate)
     server_stripe_s: float = 0.0
     robot_joins: bool = False          # the robot joins c2's rows and runs the tail
+    until: Tuple[str, ...] = ()        # crossing names of c3: the server stops there
+    until_label: str = ""
 
     @property
     def spatial(self) -> bool:
@@ -163,12 +187,14 @@ class LopPlan:
         if self.partition is not None:
             return ("partition", self.partition.cut_id, self.partition.encoding)
         return ("lop", self.first, self.last, round(self.share, 6), self.codec, self.compression,
-                self.robot_joins)
+                self.robot_joins, self.until)
 
     def describe(self) -> str:
         if self.partition is not None:
             return "layer_partition " + self.partition.describe()
         joins = " (robot joins)" if self.robot_joins and self.last_label != "outputs" else ""
+        if self.until:
+            joins = f" (robot from {self.until_label})"
         return (f"lop {self.first_label} -> {self.last_label}{joins} robot {self.share:.0%} "
                 f"enc={self.codec}/{self.compression}")
 
@@ -187,6 +213,17 @@ class Candidate:
     first: CutProfile
     last: CutProfile
     robot_joins: bool = False
+    until: Optional[CutProfile] = None
+
+
+def _join_bytes(cut: CutProfile) -> float:
+    """The fewest bytes ``cut``'s tensors take in an encoding that can come down
+    (:func:`join_encoding`: raw or float16, any compression); a cut whose encodings were
+    not profiled travels raw."""
+    if not cut.bytes:
+        return float(cut.raw_bytes)
+    sizes = [b for e, b in cut.bytes.items() if join_encoding(e) == e]
+    return min(sizes) if sizes else 0.0
 
 
 def join_encoding(encoding: str) -> str:
@@ -224,13 +261,21 @@ class Loss:
                     spatial_regions.append((spatial.region(c1, c2), p1, p2))
                 except CutError:
                     continue
-        #: (region, c1 profile, c2 profile, robot joins): a region ending at the outputs
-        #: is joined on the robot; any other is listed twice, once per joining side
-        self.regions: List[Tuple[Region, CutProfile, CutProfile, bool]] = []
+        # Where the server may stop and hand the rest to the robot: cheap robot tails
+        tails = [(p, c) for p, c in cuts if p.kind == "inner"
+                 and p.tail_s <= ROBOT_TAIL_MAX_SHARE * profile.forward_s and _join_bytes(p)]
+        #: a region ending at the outputs is joined on the robot; any other is listed
+        #: joined on the server, then (when a robot tail follows it) joined on the server
+        #: up to the robot tail with the fewest bytes, then joined on the robot
+        self.regions: List[RegionChoice] = []
         for region, p1, p2 in spatial_regions:
             if p2.kind != OUTPUT_CUT:
-                self.regions.append((region, p1, p2, False))
-            self.regions.append((region, p1, p2, True))
+                self.regions.append(RegionChoice(region, p1, p2, False))
+                after = [p for p, c in tails if region.last.head < c.head]
+                if after:
+                    self.regions.append(RegionChoice(region, p1, p2, False,
+                                                     min(after, key=_join_bytes)))
+            self.regions.append(RegionChoice(region, p1, p2, True))
         self._costs: Dict[Tuple[int, int], StripeCost] = {}
         self.geometry_s = time.perf_counter() - t0
 
@@ -242,15 +287,15 @@ class Loss:
         key = (region_index, step)
         c = self._costs.get(key)
         if c is None:
-            region, _, _, robot_joins = self.regions[region_index]
+            region, robot_joins = self.regions[region_index].region, self.regions[region_index].robot_joins
             c = self._costs[key] = stripe_cost(self.spatial, region, step / self.share_steps,
                                                self.profile.node_s, robot_joins)
         return c
 
     def candidate(self, region_index: int, step: int) -> Candidate:
-        region, p1, p2, robot_joins = self.regions[region_index]
-        return Candidate(region, step / self.share_steps, self.cost(region_index, step), p1, p2,
-                         robot_joins)
+        rc = self.regions[region_index]
+        return Candidate(rc.region, step / self.share_steps, self.cost(region_index, step), rc.first,
+                         rc.last, rc.robot_joins, rc.until)
 
     def candidates(self) -> List[Candidate]:
         """Region-major, ``share_steps - 1`` shares per region (:func:`solve_buckets`
@@ -357,6 +402,11 @@ def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List
             continue
         err = max(cand.first.codec_error(split_encoding(e)[0]),
                   cand.last.codec_error(split_encoding(last_e)[0]))
+        if cand.until is not None:
+            until_e = join_encoding(e)
+            if _ratio(cand.until, until_e) is None:
+                continue
+            err = max(err, cand.until.codec_error(split_encoding(until_e)[0]))
         if admits(cfg, err):
             out.append((e, err))
     return out
@@ -380,8 +430,11 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     robot = head + enc_a + robot_stripe + enc_b
     s_ready = a_sent + cfg.rtt_s / 2 + server_stripe
     b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
-    down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
-    down = down * c.down_share
+    if cand.until is not None:
+        down = cand.until.raw_bytes * _ratio(cand.until, join_encoding(encoding))
+    else:
+        down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
+        down = down * c.down_share
     if c.join_raw_bytes:
         down += c.join_raw_bytes * _ratio(cand.last, join_encoding(encoding))
     down_s = down * 8.0 / bandwidth_bps
@@ -393,7 +446,12 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
         robot += tail
     else:
         tail = server_time(profile, cand.last, cfg)
-        latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2
+        robot_tail = 0.0
+        if cand.until is not None:       # the server stops at c3, the robot runs the rest
+            tail = max(0.0, tail - server_time(profile, cand.until, cfg))
+            robot_tail = r * cand.until.tail_s
+        latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2 + robot_tail
+        robot += robot_tail
     busy = robot
     tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
     waiting = max(0.0, latency - busy)
@@ -418,7 +476,9 @@ def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
                    share=cand.share,
                    codec=cd, compression=z, error=error, a_bytes=p.a_bytes, b_bytes=p.b_bytes,
                    robot_stripe_s=p.robot_stripe_s, server_stripe_s=p.server_stripe_s,
-                   robot_joins=cand.robot_joins)
+                   robot_joins=cand.robot_joins,
+                   until=tuple(cand.until.crossing) if cand.until is not None else (),
+                   until_label=cand.until.label if cand.until is not None else "")
 
 
 def _partition_plan(plan: Plan) -> LopPlan:
@@ -477,6 +537,7 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     r_ratio_a = np.full((n_r, n_e), np.nan)
     r_ratio_b = np.full((n_r, n_e), np.nan)
     r_ratio_j = np.zeros((n_r, n_e))
+    r_until = np.zeros((n_r, n_e))           # bytes of c3 that come down (server joins until c3)
     r_eps_a = np.zeros((n_r, n_e))
     r_eps_b = np.zeros((n_r, n_e))
     r_err = np.full((n_r, n_e), np.inf)
@@ -486,13 +547,17 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
         for j, e in enumerate(encs):
             if e in ok:
                 r_ratio_a[ri, j], r_ratio_b[ri, j] = _ratio(first, e), _ratio(last, e)
-                if loss.regions[ri][3]:
+                if loss.regions[ri].robot_joins:
                     r_ratio_b[ri, j] = 0.0          # no B; the join's bytes come down instead
                     r_ratio_j[ri, j] = _ratio(last, join_encoding(e))
+                until = loss.regions[ri].until
+                if until is not None:
+                    r_until[ri, j] = until.raw_bytes * _ratio(until, join_encoding(e))
                 r_eps_a[ri, j], r_eps_b[ri, j] = _enc_s_per_byte(first, e), _enc_s_per_byte(last, e)
                 r_err[ri, j] = ok[e]
     ratio_a, ratio_b = np.repeat(r_ratio_a, per, axis=0), np.repeat(r_ratio_b, per, axis=0)
     ratio_j = np.repeat(r_ratio_j, per, axis=0)
+    until_bytes = np.repeat(r_until, per, axis=0)
     eps_a, eps_b = np.repeat(r_eps_a, per, axis=0), np.repeat(r_eps_b, per, axis=0)
     err = np.repeat(r_err, per, axis=0)
     r, v = cfg.robot_load, cfg.server_load
@@ -502,10 +567,18 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     srv_s = cfg.stripe_server_load * np.array([c.cost.server_robot_s for c in cands])[:, None]
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
     joins = np.array([c.robot_joins for c in cands])[:, None, None]
-    # the side that joins runs the tail: the server (its measured or estimated time) or the
-    # robot (its profiled time; none after the outputs)
-    tail = np.array([r * c.last.tail_s if c.robot_joins else server_time(loss.profile, c.last, cfg)
-                     for c in cands])[:, None, None]
+    has_until = np.array([c.until is not None for c in cands])[:, None]
+    # the side that joins runs the tail: the server (its measured or estimated time, up to
+    # c3 when the robot takes the rest) and the robot (its profiled time; none after the
+    # outputs)
+    server_tail = np.array([0.0 if c.robot_joins else
+                            server_time(loss.profile, c.last, cfg) if c.until is None else
+                            max(0.0, server_time(loss.profile, c.last, cfg)
+                                - server_time(loss.profile, c.until, cfg))
+                            for c in cands])[:, None, None]
+    robot_tail = r * np.array([c.last.tail_s if c.robot_joins else
+                               c.until.tail_s if c.until is not None else 0.0
+                               for c in cands])[:, None, None]
     a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
     enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
     down = output_bytes(loss.profile, cfg.output_codec)
@@ -516,14 +589,14 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     b_in = np.maximum(robot, a_sent) + b_bytes[:, :, None] * 8.0 / bw + cfg.rtt_s / 2
     share = np.array([c.cost.down_share for c in cands])[:, None]
     join_raw = np.array([c.cost.join_raw_bytes for c in cands])[:, None]
-    down_bytes = (down * share + join_raw * ratio_j)[:, :, None]       # (c, e, 1)
+    down_bytes = np.where(has_until, until_bytes, down * share + join_raw * ratio_j)[:, :, None]
     down_s = down_bytes * 8.0 / bw
-    latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2) + tail,
-                       np.maximum(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2)
+    latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
+                       np.maximum(b_in, s_ready) + server_tail + down_s + cfg.rtt_s / 2) + robot_tail
     if cfg.objective == "latency":
         obj = latency
     else:
-        busy = np.where(joins, robot + tail, robot)
+        busy = robot + robot_tail
         tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down_bytes) * 8.0 / bw
         waiting = np.maximum(0.0, latency - busy)
         obj = (cfg.compute_w * busy + cfg.transmit_w * np.minimum(waiting, tx)
@@ -656,7 +729,7 @@ class LopTable:
                 part["prediction"] = Prediction(**part["prediction"])
                 part["crossing"] = tuple(part["crossing"])
                 part = Plan(**part)
-            p["first"], p["last"] = tuple(p["first"]), tuple(p["last"])
+            p["first"], p["last"], p["until"] = tuple(p["first"]), tuple(p["last"]), tuple(p["until"])
             plans.append(LopPlan(partition=part, **p))
         return cls(tuple(d["buckets"]), plans, float(d["solve_s"]))
 
