@@ -102,6 +102,16 @@ class StripeCalibration:
         return replace(cfg, stripe_robot_load=self.load["robot"], stripe_server_load=self.load["server"])
 
 
+def _answer_to_a(fut_a, a_done, deadline: float):
+    """Transfer A's answer (raising its error status) and when it arrived."""
+    try:
+        resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
+    except TimeoutError:
+        raise OffloadTimeout("lop: the answer to transfer A did not arrive before the deadline") from None
+    raise_for_status(resp_a.status, resp_a.status_text)
+    return resp_a, (a_done[0] if a_done else time.perf_counter())
+
+
 @dataclass
 class _LopState:
     spatial: SpatialGraph
@@ -347,12 +357,7 @@ class LopBackend(LayerPartitionBackend):
         stats.add_compute(t_a, t_b)
         resp_b = link.compute(req_b, deadline - t_b)
         t_b_done = time.perf_counter()
-        try:
-            resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
-        except TimeoutError:
-            raise OffloadTimeout("lop: transfer A did not complete before the deadline") from None
-        raise_for_status(resp_a.status, resp_a.status_text)
-        t_a_done = a_done[0] if a_done else time.perf_counter()
+        resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
         t_tail = time.perf_counter()
         if plan.until:
             y = self._robot_tail(plan.until, resp_b, sg)
@@ -380,9 +385,11 @@ class LopBackend(LayerPartitionBackend):
         # still reaches the tracker through the layer-partition frames lop runs (its
         # plans, the measured choice's probes); whether a spatial schedule pays is
         # settled by its measured latency. The server's tail after the join is a whole
-        # tail, recorded as layer partitioning records it, once the schedule is warm.
+        # tail, recorded as layer partitioning records it, once the schedule is warm
+        # (not when the server stopped at ``until``: that is not the whole tail).
         if observe_drift:
-            st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
+            if not plan.until:
+                st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
             self._calibrate(ls, plan, t_b - t_a, resp_a.server_compute_s)
         stats.extra["lop"] = {
             "schedule": plan.describe(), "spatial": True, "share": plan.share,
@@ -434,12 +441,7 @@ class LopBackend(LayerPartitionBackend):
         sg = self.lop_state(x).spatial
         t_r = time.perf_counter()
         stats.add_compute(t_a, t_r)
-        try:
-            resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
-        except TimeoutError:
-            raise OffloadTimeout("lop: the server's stripe did not arrive before the deadline") from None
-        raise_for_status(resp_a.status, resp_a.status_text)
-        t_a_done = a_done[0] if a_done else time.perf_counter()
+        resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
         theirs = {t.name: codec.decode(t) for t in resp_a.tensors}
         joined = []
         for name in c2.crossing:

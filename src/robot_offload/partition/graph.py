@@ -374,14 +374,22 @@ class ModelGraph:
         cached = self._cached(key)
         if cached is not None:
             return cached
+        g, env = self._part_graph(cut.crossing + cut.statics, cut.tail,
+                                  list(cut.tail) + [self.output_node.name])
+        out_arg = torch.fx.node.map_arg(self.output_node.args[0], lambda a: env[a.name])
+        g.output(out_arg)
+        return self._finish(key, g)
+
+    def _part_graph(self, inputs, nodes, roots):
+        """A new graph with placeholders ``inputs`` and copies of ``nodes`` plus the const
+        nodes that ``roots`` (node names) read, in execution order; returns it and the
+        name -> copied node map."""
         g = torch.fx.Graph()
         env: Dict[str, torch.fx.Node] = {}
-        for name in cut.crossing + cut.statics:
+        for name in inputs:
             env[name] = g.placeholder(name)
-        keep = set(cut.tail)
-        # const nodes the tail needs (walk back from tail nodes and the output)
-        stack = [a for n in list(cut.tail) + [self.output_node.name]
-                 for a in self.by_name[n].all_input_nodes]
+        keep = set(nodes)
+        stack = [a for n in roots for a in self.by_name[n].all_input_nodes]
         while stack:
             a = stack.pop()
             if a.name in keep or a.name in env or self.kinds[a.name] != "const":
@@ -391,9 +399,7 @@ class ModelGraph:
         for n in self.nodes:
             if n.name in keep:
                 env[n.name] = g.node_copy(n, lambda a: env[a.name])
-        out_arg = torch.fx.node.map_arg(self.output_node.args[0], lambda a: env[a.name])
-        g.output(out_arg)
-        return self._finish(key, g)
+        return g, env
 
     def middle_module(self, first: Cut, last: Cut) -> torch.fx.GraphModule:
         """``(*first's crossing tensors, *first's static values) -> tuple(last's crossing
@@ -406,21 +412,8 @@ class ModelGraph:
         cached = self._cached(key)
         if cached is not None:
             return cached
-        g = torch.fx.Graph()
-        env: Dict[str, torch.fx.Node] = {}
-        for name in first.crossing + first.statics:
-            env[name] = g.placeholder(name)
-        keep = set(last.head - first.head)
-        stack = [a for n in list(keep) for a in self.by_name[n].all_input_nodes]
-        while stack:
-            a = stack.pop()
-            if a.name in keep or a.name in env or self.kinds[a.name] != "const":
-                continue
-            keep.add(a.name)
-            stack.extend(a.all_input_nodes)
-        for n in self.nodes:
-            if n.name in keep:
-                env[n.name] = g.node_copy(n, lambda a: env[a.name])
+        middle = last.head - first.head
+        g, env = self._part_graph(first.crossing + first.statics, middle, middle)
         g.output(tuple(env[c] for c in last.crossing))
         return self._finish(key, g)
 
