@@ -332,6 +332,7 @@ class LopBackend(LayerPartitionBackend):
         fut_a.add_done_callback(lambda _: a_done.append(time.perf_counter()))
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
+        t_stripe = time.perf_counter()
         if robot_joins:
             return self._join_on_robot(x, plan, stats, region, c1, c2, first, mine, robot_rows,
                                       fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
@@ -390,7 +391,8 @@ class LopBackend(LayerPartitionBackend):
         if observe_drift:
             if not plan.until:
                 st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
-            self._calibrate(ls, plan, t_b - t_a, resp_a.server_compute_s)
+            # the stripe alone: B's encoding, which follows it, is predicted apart
+            self._calibrate(ls, plan, t_stripe - t_a, resp_a.server_compute_s)
         stats.extra["lop"] = {
             "schedule": plan.describe(), "spatial": True, "share": plan.share,
             "first": c1.label, "last": c2.label, "codec": plan.codec,
@@ -400,7 +402,7 @@ class LopBackend(LayerPartitionBackend):
             "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes, "join": "server",
             "until": plan.until_label, "robot_tail_s": (t_end - t_tail) if plan.until else 0.0,
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
-            "robot_stripe_s": t_b - t_a, "solve_s": ls.table.solve_s, "replans": self.replans}
+            "robot_stripe_s": t_stripe - t_a, "encode_b_s": t_b - t_stripe, "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
 
