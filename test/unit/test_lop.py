@@ -449,6 +449,12 @@ def test_the_robot_runs_a_cheap_tail_whose_outputs_are_large(shared_server, prof
         assert stats.round_trips == 1 and lop["bytes_b"] == 0 and lop["join"] == "robot", lop
         full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
         assert 0 < stats.bytes_down < full, (stats.bytes_down, full)
+        # share 0, joined on the robot: a full offload whose end the robot runs
+        zero = _spatial_plan(loss, st, i, 0)
+        assert zero.share == 0 and zero.robot_stripe_s == 0
+        stats = FrameStats()
+        _assert_same_outputs(backend.run_schedule(x, zero, stats, 120), ref, zero.describe())
+        assert stats.round_trips == 1 and stats.extra["lop"]["join"] == "robot"
         # a lossy plan's rows come down as float16 (its integer codec's range guard needs
         # the tensors before encoding, which are on the server); a lossless plan's raw
         assert [join_encoding(e) for e in ("int8/zstd", "float16/none", "raw/bitshuffle_zstd")] == \

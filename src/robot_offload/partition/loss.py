@@ -9,7 +9,9 @@ A lop schedule (:class:`LopPlan`) is
   server, as the tail of a layer partition at ``c2``;
 * a *robot share* ``f``: the robot computes the top ``f`` of the rows of every tensor
   crossing ``c2``, the server the rest, each with the halo rows its block-wise operators
-  need (recomputed on both sides instead of exchanged);
+  need (recomputed on both sides instead of exchanged). ``f`` may be 0: joined on the
+  robot, that is a full offload whose end the robot runs (one request, ``c2``'s tensors
+  down instead of the outputs; KAPAO's head maps instead of its decoded predictions);
 * a transfer encoding (codec x compression) for both transfers;
 * which side joins the rows of ``c2`` and runs the tail: the server (transfer B goes up,
   the outputs come down) or the robot (the server's rows come down, nothing else).
@@ -280,7 +282,7 @@ class Loss:
         self.geometry_s = time.perf_counter() - t0
 
     def shares(self) -> List[float]:
-        return [i / self.share_steps for i in range(1, self.share_steps)]
+        return [i / self.share_steps for i in range(0, self.share_steps)]
 
     def cost(self, region_index: int, step: int) -> StripeCost:
         """Stripe cost of region ``region_index`` with robot share ``step / share_steps``."""
@@ -298,10 +300,10 @@ class Loss:
                          rc.last, rc.robot_joins, rc.until)
 
     def candidates(self) -> List[Candidate]:
-        """Region-major, ``share_steps - 1`` shares per region (:func:`solve_buckets`
+        """Region-major, ``share_steps`` shares per region, from 0 (:func:`solve_buckets`
         relies on the order)."""
         return [self.candidate(i, step) for i in range(len(self.regions))
-                for step in range(1, self.share_steps)]
+                for step in range(0, self.share_steps)]
 
 
 def _boundary_cuts(graph: ModelGraph, spatial: SpatialGraph, profile: Profile) -> List[CutProfile]:
@@ -531,8 +533,8 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
         return lp
     n_c, n_e = len(cands), len(encs)
     # Encoding figures depend on the region's two cuts only: computed per region, then
-    # repeated over its shares (candidates are region-major, share_steps - 1 per region).
-    per = loss.share_steps - 1
+    # repeated over its shares (candidates are region-major, share_steps per region).
+    per = loss.share_steps
     n_r = len(loss.regions)
     r_ratio_a = np.full((n_r, n_e), np.nan)
     r_ratio_b = np.full((n_r, n_e), np.nan)
@@ -634,7 +636,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
 
     def decode(x):
         ri = int(min(regions - 1, max(0, round(x[0]))))
-        step = int(min(loss.share_steps - 1, max(1, round(x[1]))))
+        step = int(min(loss.share_steps - 1, max(0, round(x[1]))))
         ei = int(min(len(encs) - 1, max(0, round(x[2]))))
         return ri, step, ei
 
@@ -647,7 +649,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
             return 1e9
         return _objective(predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down), cfg)
 
-    bounds = [(0, regions - 1), (1, loss.share_steps - 1), (0, len(encs) - 1)]
+    bounds = [(0, regions - 1), (0, loss.share_steps - 1), (0, len(encs) - 1)]
     res = differential_evolution(objective, bounds, integrality=np.array([True, True, True]),
                                  seed=seed, maxiter=maxiter, popsize=popsize, tol=1e-9,
                                  polish=False)
