@@ -194,10 +194,15 @@ class LayerPartitionBackend(Backend):
                  st.cfg.server_load)
 
     def cut_of(self, plan: Plan) -> Cut:
-        c = self._cuts.get(plan.crossing)
+        return self.cut_named(plan.crossing, output=plan.kind == OUTPUT_CUT)
+
+    def cut_named(self, crossing, output: bool = False) -> Cut:
+        """The graph's cut with these crossing names (the output cut if ``output``),
+        parsed once: cutting walks the whole graph."""
+        crossing = tuple(crossing)
+        c = self._cuts.get(crossing)
         if c is None:
-            c = self._cuts[plan.crossing] = (self.graph.output_cut() if plan.kind == OUTPUT_CUT
-                                             else self.graph.cut(plan.crossing))
+            c = self._cuts[crossing] = self.graph.output_cut() if output else self.graph.cut(crossing)
         return c
 
     # -- inference ------------------------------------------------------------------------

@@ -316,12 +316,14 @@ class LopBackend(LayerPartitionBackend):
         args_a = {"phase": "part", "frame": frame, "first": list(region.inputs),
                   "last": list(region.outputs),
                   "split": {n: server_rows[n][0] for n in region.outputs}, "input_shape": shape}
-        # The encoding of what A's answer carries: the outputs as the client asks for them,
-        # or, when the robot joins before the outputs, the c2 rows as LOSS priced them.
-        down = (cfg.output_codec, cfg.compression)
+        # What comes down travels as the client asks for outputs, or, before the outputs
+        # (the robot joins at c2, or the server stops at c3), as LOSS priced it.
+        outputs = (cfg.output_codec, cfg.compression)
+        before_outputs = split_encoding(join_encoding(encoding_key(plan.codec, plan.compression)))
+        down = outputs
         if robot_joins and c2.kind != OUTPUT_CUT:
             args_a["join"] = "robot"
-            down = split_encoding(join_encoding(encoding_key(plan.codec, plan.compression)))
+            down = before_outputs
         req_a = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
             args_json=_json(args_a), output_codec=down[0], output_compression=down[1])
@@ -334,7 +336,7 @@ class LopBackend(LayerPartitionBackend):
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
         t_stripe = time.perf_counter()
         if robot_joins:
-            return self._join_on_robot(x, plan, stats, region, c1, c2, first, mine, robot_rows,
+            return self._join_on_robot(ls, plan, stats, region, c1, c2, first, mine, robot_rows,
                                       fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
                                       observe_drift)
         b_parts = {}
@@ -346,11 +348,10 @@ class LopBackend(LayerPartitionBackend):
         codec_b = frame_codec(plan, st.profile.cut(c2.id), b_parts, st.cfg) if b_parts else plan.codec
         b_tensors = [_encode(t, n, codec_b, plan.compression) for n, t in b_parts.items()]
         args_b = {"phase": "finish", "frame": frame, "last": list(region.outputs), "input_shape": shape}
-        down = (cfg.output_codec, cfg.compression)
+        down = outputs
         if plan.until:
-            # the server stops at c3; its tensors come down as LOSS priced them
             args_b["until"] = list(plan.until)
-            down = split_encoding(join_encoding(encoding_key(plan.codec, plan.compression)))
+            down = before_outputs
         req_b = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
             args_json=_json(args_b), output_codec=down[0], output_compression=down[1])
@@ -409,7 +410,7 @@ class LopBackend(LayerPartitionBackend):
     def _robot_tail(self, until, resp, sg: SpatialGraph):
         """The rest of the model from cut ``until``, on the robot, on the tensors the
         server's answer carries (each by name, whole)."""
-        c3 = self.graph.cut(until)
+        c3 = self.cut_named(until)
         got = {t.name: t for t in resp.tensors}
         tensors = []
         for name in c3.crossing:
@@ -432,15 +433,15 @@ class LopBackend(LayerPartitionBackend):
             log.info("lop: stripes measured off their predictions; solving again with robot x%.2f, "
                      "server x%.2f", ls.calibration.load["robot"], ls.calibration.load["server"])
 
-    def _join_on_robot(self, x, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut, first, mine,
-                       robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
+    def _join_on_robot(self, ls: _LopState, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
+                       first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
                        sent, observe: bool):
         """The end of a frame whose rows the robot joins: the server's answer to A carries
         its rows of every ``c2`` tensor (see :mod:`~robot_offload.partition.lop_executor`);
         they go under the robot's own rows and the robot runs the tail after ``c2`` (when
         ``c2`` is the outputs, only their assembly). Nothing is sent after A, and only the
         server's share of ``c2`` comes down."""
-        sg = self.lop_state(x).spatial
+        sg = ls.spatial
         t_r = time.perf_counter()
         stats.add_compute(t_a, t_r)
         resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
@@ -469,7 +470,7 @@ class LopBackend(LayerPartitionBackend):
             y = self.graph.tail_module(c2)(*joined, *self.graph.static_values(c2, sg.metas))
         t_end = time.perf_counter()
         if observe:
-            self._calibrate(self.lop_state(x), plan, t_r - t_a, resp_a.server_compute_s)
+            self._calibrate(ls, plan, t_r - t_a, resp_a.server_compute_s)
         stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,
                        req_a.payload_bytes, resp_a.payload_bytes)
         stats.add_compute(max(t_r, t_a_done), t_end)
@@ -484,6 +485,6 @@ class LopBackend(LayerPartitionBackend):
             "join": "robot",
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": 0.0,
             "robot_tail_s": t_end - t_join,
-            "robot_stripe_s": t_r - t_a, "solve_s": self.lop_state(x).table.solve_s,
+            "robot_stripe_s": t_r - t_a, "solve_s": ls.table.solve_s,
             "replans": self.replans}
         return y

@@ -289,9 +289,9 @@ class Loss:
         key = (region_index, step)
         c = self._costs.get(key)
         if c is None:
-            region, robot_joins = self.regions[region_index].region, self.regions[region_index].robot_joins
-            c = self._costs[key] = stripe_cost(self.spatial, region, step / self.share_steps,
-                                               self.profile.node_s, robot_joins)
+            rc = self.regions[region_index]
+            c = self._costs[key] = stripe_cost(self.spatial, rc.region, step / self.share_steps,
+                                               self.profile.node_s, rc.robot_joins)
         return c
 
     def candidate(self, region_index: int, step: int) -> Candidate:
@@ -347,19 +347,15 @@ def stripe_cost(spatial: SpatialGraph, region: Region, share: float,
     metas = spatial.metas
     a = sum(metas[n].nbytes * (need_s[n][1] - need_s[n][0]) / spatial.rows(n)
             for n in region.inputs if n in need_s)
-    if region.last.kind == OUTPUT_CUT:
-        # the robot keeps its rows of the outputs; the server's come down (pass-through
-        # outputs the robot already holds do not)
-        total = sum(metas[n].nbytes for n in region.outputs) or 1
+    if robot_joins or region.last.kind == OUTPUT_CUT:
+        # the server's rows of each c2 tensor come down (not those passing over the region:
+        # the robot holds them whole); at the outputs, as a share of the output bytes
         down = sum(metas[n].nbytes * (server_rows[n][1] - server_rows[n][0]) / spatial.rows(n)
                    for n in region.outputs if n not in region.inputs)
-        return StripeCost(robot_s, server_s, float(a), 0.0, down / total)
-    if robot_joins:
-        # the server's rows of each c2 tensor come down (not those passing over the region:
-        # the robot holds them whole)
-        join = sum(metas[n].nbytes * (server_rows[n][1] - server_rows[n][0]) / spatial.rows(n)
-                   for n in region.outputs if n not in region.inputs)
-        return StripeCost(robot_s, server_s, float(a), 0.0, 0.0, float(join))
+        if region.last.kind == OUTPUT_CUT:
+            total = sum(metas[n].nbytes for n in region.outputs) or 1
+            return StripeCost(robot_s, server_s, float(a), 0.0, down / total)
+        return StripeCost(robot_s, server_s, float(a), 0.0, 0.0, float(down))
     b = sum(metas[n].nbytes * held_from(need_s, n, spatial.rows(n)) / spatial.rows(n)
             for n in region.outputs)
     return StripeCost(robot_s, server_s, float(a), float(b))
@@ -440,28 +436,31 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     if c.join_raw_bytes:
         down += c.join_raw_bytes * _ratio(cand.last, join_encoding(encoding))
     down_s = down * 8.0 / bandwidth_bps
+    tail, robot_tail = _tails(profile, cand, cfg)
     if cand.robot_joins:
-        # no B: the server's rows come down in A's answer while the robot computes its
-        # own; then the robot runs the tail (none after the outputs)
-        tail = r * cand.last.tail_s
-        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2) + tail
-        robot += tail
+        # no B: the server's rows come down in A's answer while the robot computes its own
+        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2) + robot_tail
     else:
-        tail = server_time(profile, cand.last, cfg)
-        robot_tail = 0.0
-        if cand.until is not None:       # the server stops at c3, the robot runs the rest
-            tail = max(0.0, tail - server_time(profile, cand.until, cfg))
-            robot_tail = r * cand.until.tail_s
         latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2 + robot_tail
-        robot += robot_tail
-    busy = robot
+    busy = robot + robot_tail
     tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
     waiting = max(0.0, latency - busy)
     energy = (cfg.compute_w * busy + cfg.transmit_w * min(waiting, tx)
               + cfg.idle_w * max(0.0, waiting - tx))
-    return LopPrediction(latency, energy, busy, a_bytes, b_bytes,
-                         server_stripe + (0.0 if cand.robot_joins else tail),
+    return LopPrediction(latency, energy, busy, a_bytes, b_bytes, server_stripe + tail,
                          robot_stripe, server_stripe)
+
+
+def _tails(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> Tuple[float, float]:
+    """(server, robot) seconds of what runs after the join: the robot joins and runs the
+    tail after c2 (none after the outputs), or the server runs it, up to c3 when the robot
+    takes the rest (``until``)."""
+    if cand.robot_joins:
+        return 0.0, cfg.robot_load * cand.last.tail_s
+    server = server_time(profile, cand.last, cfg)
+    if cand.until is None:
+        return server, 0.0
+    return max(0.0, server - server_time(profile, cand.until, cfg)), cfg.robot_load * cand.until.tail_s
 
 
 def _objective(p, cfg: PlannerConfig) -> float:
@@ -570,17 +569,8 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
     joins = np.array([c.robot_joins for c in cands])[:, None, None]
     has_until = np.array([c.until is not None for c in cands])[:, None]
-    # the side that joins runs the tail: the server (its measured or estimated time, up to
-    # c3 when the robot takes the rest) and the robot (its profiled time; none after the
-    # outputs)
-    server_tail = np.array([0.0 if c.robot_joins else
-                            server_time(loss.profile, c.last, cfg) if c.until is None else
-                            max(0.0, server_time(loss.profile, c.last, cfg)
-                                - server_time(loss.profile, c.until, cfg))
-                            for c in cands])[:, None, None]
-    robot_tail = r * np.array([c.last.tail_s if c.robot_joins else
-                               c.until.tail_s if c.until is not None else 0.0
-                               for c in cands])[:, None, None]
+    tails = np.array([_tails(loss.profile, c, cfg) for c in cands])
+    server_tail, robot_tail = tails[:, 0, None, None], tails[:, 1, None, None]
     a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
     enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
     down = output_bytes(loss.profile, cfg.output_codec)
