@@ -763,7 +763,8 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
     """AGRNav's schedules end at the outputs. Spatial frames whose robot stripe is predicted
     at a third of what it measures make the backend solve again with the robot's stripes
     scaled up, and the new schedule gives the robot a smaller share (LOSS itself: a
-    robot stripe twice as slow never gets a larger share)."""
+    robot stripe twice as slow never gets a larger share). The next re-plan waits long
+    enough that solving takes at most ``replan_cpu_share`` of the robot's time."""
     client = _client(shared_server, "agrnav", profile_dir, partition_codecs=("raw",))
     try:
         backend, x, ref, ls, st = _planned(client, seed=5)
@@ -777,7 +778,20 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
             y = backend.run_schedule(x, plan, FrameStats(), 120)
             _assert_same_outputs(y, ref, "agrnav")
         assert ls.calibration.load["robot"] > 2.0
+        backend.replan_cpu_share = 0.01               # a hold-off of 99x the solve's time
         ls = backend.lop_state(x)                     # starts the re-solve
+        deadline = time.monotonic() + 60
+        while ls.solving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ls.cfg.stripe_robot_load == ls.calibration.load["robot"]
+        # A re-plan bounds the robot's time spent solving: the next waits
+        # (1 / replan_cpu_share - 1) times as long as this one took.
+        assert ls.next_solve_at > time.monotonic()
+        ls.calibration.load["robot"] *= 2
+        assert backend.lop_state(x) is ls and not ls.solving
+        assert ls.cfg.stripe_robot_load != ls.calibration.load["robot"]
+        ls.next_solve_at = 0.0
+        backend.lop_state(x)
         deadline = time.monotonic() + 60
         while ls.solving and time.monotonic() < deadline:
             time.sleep(0.05)

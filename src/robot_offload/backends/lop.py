@@ -120,6 +120,7 @@ class _LopState:
     table: LopTable
     prepared: bool = False       # the server has its graph and record for this shape
     solving: bool = False        # a re-plan is being solved in the background
+    next_solve_at: float = 0.0   # time.monotonic() before which no re-plan starts
     current: Optional[Tuple] = None   # (table, bucket index, plan) in use (hysteresis)
     calibration: StripeCalibration = field(default_factory=StripeCalibration)
 
@@ -131,6 +132,12 @@ class LopBackend(LayerPartitionBackend):
 
     #: robot shares LOSS considers: multiples of 1 / share_steps
     share_steps = 16
+    #: at most this share of the robot's time goes to solving schedules again: after a
+    #: re-plan that took s seconds the next starts no sooner than s * (1 / share - 1)
+    #: later. Load factors of a small model under a CPU quota move at every frame (the
+    #: testbed's MobileNetV2: a 1.3-3.4 s re-solve every 2 s on a 0.5-CPU robot, its
+    #: frames slowed by the solver running beside them).
+    replan_cpu_share = 0.2
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -155,7 +162,7 @@ class LopBackend(LayerPartitionBackend):
             self._lop[shape] = ls
         else:
             cfg = ls.calibration.apply(st.cfg)
-            if ls.cfg != cfg and not ls.solving:
+            if ls.cfg != cfg and not ls.solving and time.monotonic() >= ls.next_solve_at:
                 ls.solving = True
                 threading.Thread(target=self._solve, args=(ls, st, cfg, False),
                                  name="lop-replan", daemon=True).start()
@@ -163,7 +170,9 @@ class LopBackend(LayerPartitionBackend):
 
     def _solve(self, ls: _LopState, st, cfg: PlannerConfig, cached: bool = True) -> None:
         """Solve (or load from the plan cache) the table for ``cfg``. Re-plans go without
-        the cache (``cached=False``, see :func:`load_or_solve`)."""
+        the cache (``cached=False``, see :func:`load_or_solve`); after one, the next may
+        start no sooner than ``replan_cpu_share`` allows."""
+        t0 = time.monotonic()
         try:
             if ls.loss is None or ls.loss.profile is not st.profile:
                 ls.loss = Loss(self.graph, ls.spatial, st.profile, self.share_steps)
@@ -179,6 +188,9 @@ class LopBackend(LayerPartitionBackend):
                 raise
             log.exception("lop: re-planning failed; keeping the previous schedules")
         finally:
+            if not cached:      # a background re-plan (the first solve blocks its frame)
+                now = time.monotonic()
+                ls.next_solve_at = now + (now - t0) * (1.0 / self.replan_cpu_share - 1.0)
             ls.solving = False
 
     def _prepare(self, ls: _LopState, shape, timeout_s: float) -> None:
