@@ -759,6 +759,22 @@ def test_stripe_calibration_folds_in_a_side_that_is_off_its_prediction():
     assert (cfg.stripe_robot_load, cfg.stripe_server_load) == (pytest.approx(1.4), 1.0)
 
 
+def test_the_replan_thread_alone_runs_at_the_lowest_priority():
+    from robot_offload.backends.lop import _lowest_priority_for_this_thread
+    seen = {}
+
+    def replan():
+        _lowest_priority_for_this_thread()
+        seen["replan"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=replan)
+    t.start()
+    t.join()
+    assert seen["replan"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
 def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, profile_dir):
     """AGRNav's schedules end at the outputs. Spatial frames whose robot stripe is predicted
     at a third of what it measures make the backend solve again with the robot's stripes

@@ -30,6 +30,7 @@ and the fastest serves the bucket.
 
 import logging
 import math
+import os
 import secrets
 import statistics
 import threading
@@ -102,6 +103,16 @@ class StripeCalibration:
         return replace(cfg, stripe_robot_load=self.load["robot"], stripe_server_load=self.load["server"])
 
 
+def _lowest_priority_for_this_thread() -> None:
+    """Nice 19 for the calling thread only (Linux applies setpriority to the one thread
+    whose id it is given): a background re-plan then takes the robot's CPU only when the
+    frames leave it idle, instead of half of a CPU quota beside them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):      # not Linux, or not allowed: run as is
+        pass
+
+
 def _answer_to_a(fut_a, a_done, deadline: float):
     """Transfer A's answer (raising its error status) and when it arrived."""
     try:
@@ -137,7 +148,7 @@ class LopBackend(LayerPartitionBackend):
     #: later. Load factors of a small model under a CPU quota move at every frame (the
     #: testbed's MobileNetV2: a 1.3-3.4 s re-solve every 2 s on a 0.5-CPU robot, its
     #: frames slowed by the solver running beside them).
-    replan_cpu_share = 0.2
+    replan_cpu_share = 0.1
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -173,6 +184,8 @@ class LopBackend(LayerPartitionBackend):
         the cache (``cached=False``, see :func:`load_or_solve`); after one, the next may
         start no sooner than ``replan_cpu_share`` allows."""
         t0 = time.monotonic()
+        if not cached:
+            _lowest_priority_for_this_thread()
         try:
             if ls.loss is None or ls.loss.profile is not st.profile:
                 ls.loss = Loss(self.graph, ls.spatial, st.profile, self.share_steps)
