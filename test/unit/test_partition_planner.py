@@ -226,7 +226,8 @@ def test_measured_choice_times_all_local_once_for_every_bucket():
 def test_measured_choice_times_all_local_whatever_its_prediction():
     """All local predicted beyond the margin is still timed (``min_samples`` frames, once
     for every bucket): served if it measures faster, never run again if it measures
-    slower. Other alternatives beyond the margin are never timed."""
+    slower. Other alternatives beyond the margin are timed only once the plan measures
+    slower than they are predicted."""
     table = PlanTable(_profile(), PlannerConfig())
     for i in range(len(table.plans)):
         plan = table.plans[i]
@@ -257,10 +258,19 @@ def test_measured_choice_times_all_local_whatever_its_prediction():
             # timed min_samples times, then dropped: no periodic probe of it ever after
             assert [r for r in ran if r[0] == "local"] == [("local", True)] * 2, ran
             assert ran[-4:] == [("plan", False)] * 4, ran
-    # Predicted beyond the margin and not link-free: never a candidate.
+    # Predicted beyond the margin and not link-free: not a candidate while the plan
+    # measures no slower than the alternative is predicted...
     m = MeasuredChoice(margin=0.0, min_samples=1)
-    m.observe(i, plan, 0.050)
+    m.observe(i, plan, other.latency_s)
     assert not m.candidate(i, plan, other) and m.candidate(i, plan, local)
+    # ... and one once it does (the prediction that ruled it out was wrong): timed as a
+    # probe, then served if it measures faster.
+    m = MeasuredChoice(margin=0.0, every=100, min_samples=1)
+    m.observe(i, plan, 2 * other.latency_s)
+    assert m.candidate(i, plan, other)
+    assert m.choose(i, plan, [other]) == (other, True)
+    m.observe(i, other, other.latency_s)
+    assert m.choose(i, plan, [other]) == (other, False)
 
 
 def test_drift_tracker_replans_after_sustained_drift():
