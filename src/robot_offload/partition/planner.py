@@ -410,12 +410,12 @@ class MeasuredChoice:
     forward that now takes 1.26 s). Per bandwidth bucket, the alternatives predicted
     within ``margin`` of the plan (:attr:`PlanTable.alternatives`: the best plan at another
     cut, all local, the best full offload), those predicted faster than the plan measures,
-    and all local whatever its prediction (:meth:`candidate`), are run and timed too: each as a probe until it
-    has ``min_samples`` measurements (once the plan has one), then one of them in turn
-    every ``every`` frames of the bucket; between probes the bucket serves the candidate
-    whose median of the last ``window`` measured latencies is lowest. A probe is a real
-    frame (its outputs are used); it costs at most ``margin`` more than the prediction
-    said, and only on close calls. Measurements are kept per plan key (cut and encoding),
+    and all local whatever its prediction (:meth:`candidate`), are run and timed too: each
+    as a probe until it has ``min_samples`` measurements (once the plan has one), then one
+    of them in turn every ``every`` frames of the bucket; between probes the bucket serves
+    the candidate whose median of the last ``window`` measured latencies is lowest. A probe
+    is a real frame (its outputs are used); it costs at most ``margin`` more than the
+    prediction said, or less than the plan measures. Measurements are kept per plan key (cut and encoding),
     so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
     (all local) is measured once for every bucket: its latency does not depend on the link,
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
@@ -439,8 +439,9 @@ class MeasuredChoice:
 
     def candidate(self, bucket, plan, alternative) -> bool:
         """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``: a close
-        call; one predicted faster than the plan's measured median; or a link-free plan (all local) until it has ``min_samples`` measurements,
-        and after that while its measured median is within ``margin`` of the plan's.
+        call; one predicted faster than the plan's measured median; or a link-free plan
+        (all local) until it has ``min_samples`` measurements, and after that while its
+        measured median is within ``margin`` of the plan's.
 
         All local is the one alternative measured whatever its prediction, because being
         wrong about it is what costs most on the small models (MobileNetV2, RegNetY: a
