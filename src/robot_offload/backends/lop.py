@@ -428,9 +428,9 @@ class LopBackend(LayerPartitionBackend):
             "bytes_a": req_a.payload_bytes, "bytes_b": req_b.payload_bytes, "join": "server",
             "until": plan.until_label, "robot_tail_s": (t_end - t_tail) if plan.until else 0.0,
             "server_stripe_s": resp_a.server_compute_s, "server_tail_s": resp_b.server_compute_s,
-            "robot_stripe_s": t_stripe - t_a, "encode_b_s": t_b - t_stripe, "solve_s": ls.table.solve_s, "replans": self.replans}
+            "robot_stripe_s": t_stripe - t_a, "encode_b_s": t_b - t_stripe,
+            "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
-
 
     def _robot_tail(self, until, resp, sg: SpatialGraph):
         """The rest of the model from cut ``until``, on the robot, on the tensors the
@@ -444,10 +444,13 @@ class LopBackend(LayerPartitionBackend):
             if enc is None or list(enc.shape) != expected:
                 raise RemoteError(f"lop: the server's {name!r} is missing or has shape "
                                   f"{None if enc is None else list(enc.shape)}, not {expected}")
-            t = codec.decode(enc)
-            tensors.append(t.to(sg.metas[name].dtype) if t.dtype != sg.metas[name].dtype else t)
+            tensors.append(codec.decode(enc).to(sg.metas[name].dtype))
+        return self._tail_here(c3, tensors, sg)
+
+    def _tail_here(self, cut: Cut, tensors, sg: SpatialGraph):
+        """The model after ``cut`` on the robot, from its crossing ``tensors``."""
         with torch.inference_mode():
-            return self.graph.tail_module(c3)(*tensors, *self.graph.static_values(c3, sg.metas))
+            return self.graph.tail_module(cut)(*tensors, *self.graph.static_values(cut, sg.metas))
 
     def _calibrate(self, ls: _LopState, plan: LopPlan, robot_stripe_s: float, server_stripe_s: float) -> None:
         """A warm spatial frame's stripe times against the plan's predictions."""
@@ -491,8 +494,7 @@ class LopBackend(LayerPartitionBackend):
                 parts.append(part.to(parts[0].dtype) if parts else part)
             joined.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=ax))
         t_join = time.perf_counter()
-        with torch.inference_mode():
-            y = self.graph.tail_module(c2)(*joined, *self.graph.static_values(c2, sg.metas))
+        y = self._tail_here(c2, joined, sg)
         t_end = time.perf_counter()
         if observe:
             self._calibrate(ls, plan, t_r - t_a, resp_a.server_compute_s)

@@ -569,7 +569,9 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
     joins = np.array([c.robot_joins for c in cands])[:, None, None]
     has_until = np.array([c.until is not None for c in cands])[:, None]
-    tails = np.array([_tails(loss.profile, c, cfg) for c in cands])
+    # what runs after the join depends on the region's choice, not on its share
+    tails = np.repeat(np.array([_tails(loss.profile, cands[ri * per], cfg) for ri in range(n_r)]),
+                      per, axis=0)
     server_tail, robot_tail = tails[:, 0, None, None], tails[:, 1, None, None]
     a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
     enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
