@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from robot_offload.bench.order import balanced_orders
 from robot_offload.bench.runner import wait_for_master
 from robot_offload.testbed import Testbed
 
@@ -123,12 +124,18 @@ def test_bench_quick_writes_report(tmp_path):
     # full speed); where no cgroup is writable the report says the CPU was not limited
     assert ("robot side limited to 0.5 CPU" in report and "quota 10 ms per 20 ms period" in report
             or "robot CPU NOT limited" in report), report[:3000]
+    assert "50 ms of idle before every frame" in report
     for trace in ("const50M", "outdoor"):
-        # publication order: frame by frame, the modes' order rotated by one per frame
-        # (local 0, full_offload 0, full_offload 1, local 1, local 2, full_offload 2)
-        order = sorted((float(r["t_s"]), int(r["frame"]), r["mode_asked"]) for r in rows if r["trace"] == trace)
+        # publication order: frame by frame, in the balanced orders of bench.order (for
+        # two modes: local 0, full_offload 0, full_offload 1, local 1, local 2, ...)
+        order = sorted((float(r["t_s"]), int(r["frame"]), r["mode_asked"], float(r["roundtrip_wall_s"]))
+                       for r in rows if r["trace"] == trace)
         modes = ("local", "full_offload")
-        assert [(f, m) for _, f, m in order] == [(f, modes[(f + k) % 2]) for f in range(3) for k in range(2)]
+        orders = balanced_orders(2)
+        assert [(f, m) for _, f, m, _ in order] == [(f, modes[k]) for f in range(3) for k in orders[f % 2]]
+        # the robot idles --settle-s (default 50 ms) between a frame's answer and the next
+        gaps = [b[0] - (a[0] + a[3]) for a, b in zip(order, order[1:])]
+        assert min(gaps) >= 0.045, gaps
     for r in rows:
         if r["mode_asked"] == "full_offload" and r["trace"] == "const50M":
             assert float(r["latency_s"]) >= int(r["bytes_up"]) * 8 / 50e6

@@ -52,6 +52,10 @@ def main(argv=None):
                     help="extend a cell past --frames until its frames span this many seconds "
                          "(fast models get more frames, slow ones keep --frames)")
     ap.add_argument("--max-frames", type=int, default=64, help="the most frames --min-span-s may run")
+    ap.add_argument("--settle-s", type=float, default=0.05,
+                    help="robot idle before every frame (s; default two and a half periods of "
+                         "the 20 ms CPU quota period): a frame then does not start on quota the "
+                         "frame before it used up")
     ap.add_argument("--frames-source", default="natural",
                     help="image frames: natural (1/f statistics with sensor noise; zstd takes "
                          "it about as far as a photograph), synthetic (flat squares: 100x or "
@@ -89,7 +93,8 @@ def main(argv=None):
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
                       delay_ms=args.delay_ms, interleave=args.interleave, pin_cpus=args.pin_cpus,
                       frames_source=args.frames_source, min_span_s=args.min_span_s,
-                      max_frames=args.max_frames, progress=progress, **profile)
+                      max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
+                      **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()
     rows = runner.run()

@@ -68,6 +68,9 @@ class BenchConfig:
                                      # :func:`side_cpus`), so neither steals the other's cores
     min_span_s: float = 0.0          # a cell goes on past `frames` until its frames span
     max_frames: int = 0              # this long (s), up to `max_frames` (cheap models)
+    settle_s: float = 0.05           # robot idle before every frame (s): over two periods of
+                                     # its CPU quota (testbed.cgroup), so no frame starts on
+                                     # quota the frame before it used up
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
@@ -165,7 +168,12 @@ class BenchRunner:
                                   f"spanned {cfg.min_span_s:g} s (at most {cfg.max_frames} frames)")
             if cfg.interleave and len(cfg.modes) > 1:
                 self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
-                                  f"each of {', '.join(cfg.modes)} back to back, then frame i + 1")
+                                  f"each of {', '.join(cfg.modes)} back to back, then frame i + 1; "
+                                  "the orders balanced so that every mode followed every other "
+                                  "equally often (bench.order)")
+            if cfg.settle_s > 0:
+                self.notes.append(f"{1e3 * cfg.settle_s:g} ms of idle before every frame "
+                                  "(the robot's CPU quota refilled)")
             if tb.delay_s:
                 self.notes.append(
                     f"added delay: {1e3 * tb.delay_s:g} ms each way, by a user-space relay "
@@ -257,6 +265,7 @@ class BenchRunner:
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
                 "--source", cfg.frames_source,
                 "--min-span-s", cfg.min_span_s, "--max-frames", cfg.max_frames,
+                "--settle-s", cfg.settle_s,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]

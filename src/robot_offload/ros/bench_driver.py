@@ -10,11 +10,15 @@ bandwidth trace then) before the measured frames, so that every mode sees the sa
 from its start and the same frames.
 
 With several modes (``--mode local full_offload layer_partition``) every mode is warmed up
-in turn, and then the modes take turns frame by frame: frame i in each mode, back to back
-(the order rotated by one mode per frame), then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
+in turn, and then the modes take turns frame by frame: frame i in each mode, back to back,
+then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
 this puts every mode's frame i under the same load and the same point of the trace, so
 the ratios between modes stay meaningful where one mode after the other would compare
-different moments. Rows carry ``mode_asked``.
+different moments. The order changes from frame to frame so that every mode follows every
+other equally often (:func:`robot_offload.bench.order.balanced_orders`), and
+``--settle-s`` leaves the robot idle between frames (a camera's frames arrive with gaps
+too): the next frame starts on a CPU quota no earlier frame has used up. Rows carry
+``mode_asked``.
 """
 
 import argparse
@@ -28,6 +32,7 @@ import rospy
 from sensor_msgs.msg import Image, PointCloud2
 from std_msgs.msg import Header
 
+from robot_offload.bench.order import balanced_orders
 from robot_offload.camera import open_source
 from robot_offload.msg import BandwidthEstimate, InferenceStats, Status
 from robot_offload.ros.conversions import xyzi_to_pointcloud2
@@ -111,23 +116,24 @@ class Driver:
 
     def run_frames(self, n, record, t_origin, timeout_s=None, modes=None, min_span_s=0.0,
                    max_frames=0):
-        """Frames 0..n-1; with ``modes``, each frame once per mode in turn (the mode is
-        switched before every frame when there is more than one). With ``min_span_s``,
-        further frames (all modes again) until that many seconds have passed since
-        ``t_origin``, up to ``max_frames``: a cell of a 30 ms model then holds enough frames
-        for its median to mean something, and a 1 s model's cell is not lengthened."""
+        """Frames 0..n-1; with ``modes``, each frame once per mode, in the orders of
+        :func:`~robot_offload.bench.order.balanced_orders` (the mode is switched before
+        every frame when there is more than one). With ``min_span_s``, further frames (all
+        modes again) until that many seconds have passed since ``t_origin``, up to
+        ``max_frames``: a cell of a 30 ms model then holds enough frames for its median to
+        mean something, and a 1 s model's cell is not lengthened. ``--settle-s`` of idle
+        precedes every frame."""
         rows = []
         modes = list(modes or [None])
+        orders = balanced_orders(len(modes))
         i = 0
         while i < n or (time.monotonic() - t_origin < min_span_s and i < max(n, max_frames)):
-            # The order rotates by one mode per frame: the robot's CPU quota and what a
-            # frame leaves running (a lop re-plan, transfers winding down) weigh on the
-            # frame after it, and with a fixed order always on the same mode (local, first,
-            # measured 120-140 ms on MobileNetV2 where layer_partition ran all local in 40).
-            for k in range(len(modes)):
-                mode = modes[(i + k) % len(modes)]
+            for k in orders[i % len(orders)]:
+                mode = modes[k]
                 if mode is not None and len(modes) > 1:
                     self.switch(mode)
+                if self.args.settle_s > 0:
+                    time.sleep(self.args.settle_s)
                 rows.append(self.one_frame(i, t_origin, timeout_s, mode))
             i += 1
         return rows if record else []
@@ -179,6 +185,9 @@ def main(argv=None):
                     help="after --frames, keep going (every mode again) until the measured "
                          "frames span this many seconds, up to --max-frames")
     ap.add_argument("--max-frames", type=int, default=0)
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="idle before every frame (s): at least one period of the robot's CPU "
+                         "quota, so that no frame starts on quota the one before it used up")
     ap.add_argument("--out", required=True)
     ap.add_argument("--client", default="/offload_client")
     ap.add_argument("--input-topic", default="/bench/image")
