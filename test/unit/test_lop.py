@@ -725,35 +725,6 @@ def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared
         client.close()
 
 
-def test_a_spatial_schedule_measured_faster_outlives_a_replan(shared_server, profile_dir):
-    """After a re-plan whose table no longer has it, a spatial schedule measured faster
-    than the new plan still serves the bucket (MeasuredChoice remembers it), runs as a
-    spatial frame equal to local, and does not feed the stripe calibration: its stripes
-    were predicted with another solve's factors."""
-    client = _client(shared_server, "vgg19", profile_dir, partition_codecs=("raw",),
-                     probe_every=1000, replan_threshold=1e9)
-    try:
-        backend, x, ref, ls, st = _planned(client, seed=8)
-        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
-        i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
-        spatial = _spatial_plan(loss, st, i, 8)
-        key = ("lop", 0)
-        for _ in range(2):                      # measured, once, far faster than anything
-            st.measured.observe(key, spatial, 1e-4)
-        by_kind = {c.kind: c for c in st.profile.cuts}
-        offload = plan_for(st.profile, by_kind[INPUT_CUT].id, "raw/none", 20e6, st.cfg)
-        ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=20e6, latency_s=offload.latency_s,
-                                             energy_j=0.0, partition=offload)], 0.0)
-        frames = _frames_at(backend, x, ref, 12, 20e6, "remembered schedule")
-        ran = [(s.extra["lop"]["schedule"], s.extra["lop"]["spatial"], s.extra["lop"]["probe"])
-               for s in frames]
-        assert (spatial.describe(), True, False) in ran, ran
-        assert all(len(r) == 0 for r in ls.calibration._ratios.values())
-        assert backend.replans == 0
-    finally:
-        client.close()
-
-
 def test_plan_switching_has_hysteresis():
     """The plan in use is kept while the predicted bandwidth stays within one bucket of the
     one it was chosen for; a bigger move, or a new table, switches."""
@@ -819,7 +790,6 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
         assert base.spatial and slow.spatial and slow.share <= base.share
         assert slow.robot_stripe_s > 0 and slow.server_stripe_s > 0
         plan = dataclasses.replace(base, robot_stripe_s=base.robot_stripe_s / 3)
-        ls.table = LopTable((1e6,), [plan], 0.0)    # only the table's plans calibrate
         for _ in range(3):
             y = backend.run_schedule(x, plan, FrameStats(), 120)
             _assert_same_outputs(y, ref, "agrnav")

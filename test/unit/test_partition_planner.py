@@ -273,35 +273,6 @@ def test_measured_choice_times_all_local_whatever_its_prediction():
     assert m.choose(i, plan, [other]) == (other, False)
 
 
-def test_measured_choice_remembers_a_plan_measured_faster_after_a_replan():
-    """A re-plan (new load factors) that drops a plan from the bucket's plan and its
-    alternatives does not lose what was measured: while the dropped plan measures faster
-    than the new one it serves the bucket, and once it measures slower it drops out."""
-    table = PlanTable(_profile(), PlannerConfig())
-    i = table.index(20 * MB)
-    old, new = table.plans[i], next(a for a in table.alternatives[i] if not a.link_free)
-    m = MeasuredChoice(margin=0.0, every=100, window=3, min_samples=2)
-    for _ in range(3):
-        assert m.choose(i, old, []) == (old, False)
-        m.observe(i, old, 0.040)
-    ran = []
-    for t_old in (0.040,) * 6 + (0.080,) * 4:    # then the old plan becomes slower
-        p, probe = m.choose(i, new, [])          # the re-plan's table: `new`, no alternatives
-        ran.append(("old" if p is old else "new", probe))
-        m.observe(i, p, t_old if p is old else 0.060)
-    # the new plan once (nothing measured yet), again as a probe (its second sample),
-    # then the old one, measured faster, until two slower samples make its median 80 ms
-    assert ran == ([("new", False), ("new", True)] + [("old", False)] * 6
-                   + [("new", False)] * 2), ran
-    # Bounded: with remember=1 a plan measured in between is forgotten, samples and all.
-    m = MeasuredChoice(margin=0.0, every=100, window=3, min_samples=1, remember=1)
-    m.observe(i, old, 0.010)
-    m.observe(i, new, 0.060)
-    assert m.median_s(i, old) is None and m.choose(i, new, []) == (new, False)
-    with pytest.raises(ConfigError):
-        MeasuredChoice(remember=-1)
-
-
 def test_drift_tracker_replans_after_sustained_drift():
     t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
     assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise

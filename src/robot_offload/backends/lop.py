@@ -255,12 +255,11 @@ class LopBackend(LayerPartitionBackend):
         # which every mode's local fallback has run, and a sample wasted on it costs a
         # whole local inference.
         cold = chosen.key not in self._ran and not getattr(chosen, "link_free", False)
-        spatial = isinstance(chosen, LopPlan)   # this bucket's schedule, or a remembered one
-        warm = not profiled_now and not cold and (not spatial or ls.prepared)
+        warm = not profiled_now and not cold and (chosen is not plan or ls.prepared)
         self._ran.add(chosen.key)
         t0 = time.perf_counter()
-        if spatial:
-            y = self.run_schedule(x, chosen, stats, timeout_s, bw, observe_drift=warm)
+        if chosen is plan:
+            y = self.run_schedule(x, plan, stats, timeout_s, bw, observe_drift=warm)
         else:
             y = self._run_partition(x, chosen, stats, timeout_s, bw)
         if warm and st.measured is not None:
@@ -454,12 +453,7 @@ class LopBackend(LayerPartitionBackend):
             return self.graph.tail_module(cut)(*tensors, *self.graph.static_values(cut, sg.metas))
 
     def _calibrate(self, ls: _LopState, plan: LopPlan, robot_stripe_s: float, server_stripe_s: float) -> None:
-        """A warm spatial frame's stripe times against the plan's predictions. Only for
-        plans of the current table: a remembered schedule (see
-        :class:`~robot_offload.partition.planner.MeasuredChoice`) was predicted with the
-        stripe factors of its own solve, and its ratios would be folded into today's."""
-        if not any(p is plan for p in ls.table.plans):
-            return
+        """A warm spatial frame's stripe times against the plan's predictions."""
         ls.calibration.observe("robot", plan.robot_stripe_s, robot_stripe_s)
         ls.calibration.observe("server", plan.server_stripe_s, server_stripe_s)
         if ls.calibration.update():

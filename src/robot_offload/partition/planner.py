@@ -36,7 +36,7 @@ time); :class:`DriftTracker` maintains them and says when the plans must be rebu
 import bisect
 import math
 import statistics
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -421,27 +421,13 @@ class MeasuredChoice:
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
     bucket probe it again. A plan is anything with a ``key`` and a predicted
     ``latency_s``: lop uses it between a spatial schedule and the layer partition of the
-    same bucket.
+    same bucket."""
 
-    Plans measured in a bucket are remembered (the last ``remember`` of them): one that
-    measures faster than the bucket's plan stays a candidate after a re-plan has dropped
-    it from the plan and its alternatives. Re-plans follow load factors that a CPU quota
-    makes swing with the size of the robot's part (RegNetY's robot factor went
-    0.41-1.9 within seconds on the testbed): its layer partition left a cut that measured
-    43 ms for all local at 58-78 ms, its lop for a cut after the pooling at 63-118 ms,
-    and neither timed the first cut again. A remembered plan that is served is measured
-    again at once, so one that has become slow drops out within ``window`` frames."""
-
-    def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2,
-                 remember: int = 8):
-        if (not margin >= 0 or every < 1 or window < 1 or not 1 <= min_samples <= window
-                or remember < 0):
-            raise ConfigError("need margin >= 0, every >= 1, window >= 1, "
-                              "1 <= min_samples <= window and remember >= 0")
+    def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2):
+        if not margin >= 0 or every < 1 or window < 1 or not 1 <= min_samples <= window:
+            raise ConfigError("need margin >= 0, every >= 1, window >= 1 and 1 <= min_samples <= window")
         self.margin, self.every, self.window, self.min_samples = margin, every, window, min_samples
-        self.remember = remember
         self._latency: Dict[Tuple[object, object], deque] = {}
-        self._measured: Dict[object, "OrderedDict[object, object]"] = {}  # bucket -> key -> plan
         self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
         self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
         self.probes = 0
@@ -495,13 +481,7 @@ class MeasuredChoice:
         for a in alternatives or ():
             if self.candidate(bucket, plan, a):
                 cands.setdefault(a.key, a)
-        ref = self.median_s(bucket, plan)
-        if ref is not None:
-            for key, p in self._measured.get(bucket, {}).items():
-                if (key not in cands and self._count(bucket, p) >= self.min_samples
-                        and self.median_s(bucket, p) < ref):
-                    cands[key] = p
-        if len(cands) == 1 or ref is None:
+        if len(cands) == 1 or self.median_s(bucket, plan) is None:
             return plan, False
         measured = [c for c in cands.values() if self.median_s(bucket, c) is not None]
         best = min(measured, key=lambda c: self.median_s(bucket, c))
@@ -523,10 +503,3 @@ class MeasuredChoice:
         more than infer, e.g. the one that measured the profile)."""
         if math.isfinite(latency_s) and latency_s >= 0:
             self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(latency_s)
-            if self.remember and not getattr(plan, "link_free", False):
-                seen = self._measured.setdefault(bucket, OrderedDict())
-                seen.pop(plan.key, None)
-                seen[plan.key] = plan
-                while len(seen) > self.remember:    # bounded: lop's re-plans make new keys
-                    _, oldest = seen.popitem(last=False)
-                    self._latency.pop(self._mkey(bucket, oldest), None)
