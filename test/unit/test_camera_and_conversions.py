@@ -96,6 +96,34 @@ def test_tensor_message_round_trip_through_serialisation():
     torch.testing.assert_close(codec.decode(tensor_from_msg(back)), x, rtol=codec.RTOL["float16"], atol=1e-6)
 
 
+def test_stats_message_carries_the_backends_detail_as_json():
+    """``InferenceStats.detail_json``: a backend's own figures (``FrameStats.extra``)
+    survive serialisation; values JSON does not know become strings; too much is cut to
+    an object that says so, never to broken JSON."""
+    import json
+    from io import BytesIO
+    from std_msgs.msg import Header
+    from robot_offload.msg import InferenceStats
+    from robot_offload.ros.conversions import DETAIL_JSON_MAX, stats_to_msg
+    from robot_offload.stats import FrameStats
+    stats = FrameStats()
+    stats.extra["lop"] = {"robot_stripe_s": 0.0123, "spatial": True, "device": torch.device("cpu")}
+    msg = stats_to_msg(stats, Header(), 0.5, (1, 1, 0, 0))
+    buf = BytesIO()
+    msg.serialize(buf)
+    back = InferenceStats()
+    back.deserialize(buf.getvalue())
+    detail = json.loads(back.detail_json)
+    assert detail["lop"]["robot_stripe_s"] == 0.0123 and detail["lop"]["spatial"] is True
+    assert detail["lop"]["device"] == "cpu"
+    assert json.loads(stats_to_msg(FrameStats(), Header(), 0.5, (1, 1, 0, 0)).detail_json) == {}
+    stats.extra["transparent"] = {"ops": ["x" * 100] * 200}
+    big = stats_to_msg(stats, Header(), 0.5, (1, 1, 0, 0)).detail_json
+    assert len(big) <= DETAIL_JSON_MAX
+    assert json.loads(big) == {"truncated": True, "bytes": json.loads(big)["bytes"], "keys": ["lop", "transparent"]}
+    assert json.loads(big)["bytes"] > DETAIL_JSON_MAX
+
+
 def test_pointcloud2_round_trip():
     from std_msgs.msg import Header
     from robot_offload.ros.conversions import pointcloud2_to_xyzi, xyzi_to_pointcloud2

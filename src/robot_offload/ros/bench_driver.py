@@ -41,7 +41,7 @@ from robot_offload.srv import SetMode
 STATS_FIELDS = ("mode", "executed_mode", "plan", "phase", "fallback_reason", "latency_s", "queue_s",
                 "robot_compute_s", "transfer_s", "server_compute_s", "predicted_latency_s",
                 "bytes_up", "bytes_down", "round_trips", "energy_j", "energy_modelled",
-                "predicted_bandwidth_bps")
+                "predicted_bandwidth_bps", "detail_json")
 
 
 class Driver:

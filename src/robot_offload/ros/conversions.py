@@ -1,5 +1,6 @@
 """Conversions between ROS messages and the pure core's types (no logic of their own)."""
 
+import json
 import math
 
 import numpy as np
@@ -94,6 +95,22 @@ def ping_resp_from_srv(m) -> PingResponse:
                         loaded_models=list(m.loaded_models), device=m.device, payload=bytes(m.payload))
 
 
+#: the most ``InferenceStats.detail_json`` carries (bytes); longer details are cut to
+#: a JSON object that says so
+DETAIL_JSON_MAX = 8192
+
+
+def detail_json(extra: dict) -> str:
+    """``FrameStats.extra`` as JSON for ``InferenceStats.detail_json``: what a backend
+    measured beyond the common fields (lop's stripe and tail times, for one), so that a
+    bag or a benchmark's rows can say where a frame's time went. Values JSON does not know
+    are written as strings."""
+    text = json.dumps(extra, default=str, sort_keys=True, allow_nan=True)
+    if len(text) > DETAIL_JSON_MAX:
+        text = json.dumps({"truncated": True, "bytes": len(text), "keys": sorted(extra)})
+    return text
+
+
 def stats_to_msg(stats, header, latency_s: float, counters) -> InferenceStats:
     """``counters``: (received, processed, dropped, fallbacks) since the client started."""
     received, processed, dropped, fallbacks = counters
@@ -108,7 +125,8 @@ def stats_to_msg(stats, header, latency_s: float, counters) -> InferenceStats:
         energy_modelled=stats.energy_modelled, predicted_bandwidth_bps=stats.predicted_bandwidth_bps,
         frames_received=received, frames_processed=processed, frames_dropped=dropped,
         fallbacks=fallbacks,
-        replay_divergences=int(stats.extra.get("transparent", {}).get("divergences_total", 0)))
+        replay_divergences=int(stats.extra.get("transparent", {}).get("divergences_total", 0)),
+        detail_json=detail_json(stats.extra))
 
 
 _PF_DTYPES = {PointField.INT8: "i1", PointField.UINT8: "u1", PointField.INT16: "i2",
