@@ -52,10 +52,10 @@ def main(argv=None):
                     help="extend a cell past --frames until its frames span this many seconds "
                          "(fast models get more frames, slow ones keep --frames)")
     ap.add_argument("--max-frames", type=int, default=64, help="the most frames --min-span-s may run")
-    ap.add_argument("--settle-s", type=float, default=0.05,
-                    help="robot idle before every frame (s; default two and a half periods of "
-                         "the 20 ms CPU quota period): a frame then does not start on quota the "
-                         "frame before it used up")
+    ap.add_argument("--settle-s", type=float, default=BenchConfig.settle_s,
+                    help="robot idle before every frame (s; default %(default)g, two and a half "
+                         "periods of the robot's CPU quota): a frame then does not start on quota "
+                         "the frame before it used up")
     ap.add_argument("--frames-source", default="natural",
                     help="image frames: natural (1/f statistics with sensor noise; zstd takes "
                          "it about as far as a photograph), synthetic (flat squares: 100x or "

@@ -24,6 +24,7 @@ from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec
 from robot_offload.testbed import CpuLimit, Testbed, TraceReplayer, choose_mechanism
 from robot_offload.testbed import traces as tr
+from robot_offload.testbed.cgroup import DEFAULT_PERIOD_US
 
 #: Wait per warm-up frame (s): the first layer_partition / lop frame profiles the model on
 #: the robot (every cut, codec and compression), minutes under a 0.5-CPU quota.
@@ -68,9 +69,9 @@ class BenchConfig:
                                      # :func:`side_cpus`), so neither steals the other's cores
     min_span_s: float = 0.0          # a cell goes on past `frames` until its frames span
     max_frames: int = 0              # this long (s), up to `max_frames` (cheap models)
-    settle_s: float = 0.05           # robot idle before every frame (s): over two periods of
-                                     # its CPU quota (testbed.cgroup), so no frame starts on
-                                     # quota the frame before it used up
+    settle_s: float = 2.5 * DEFAULT_PERIOD_US / 1e6   # robot idle before every frame (s):
+                                     # over two periods of its CPU quota (50 ms), so no frame
+                                     # starts on quota the frame before it used up
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free

@@ -415,8 +415,8 @@ class MeasuredChoice:
     of them in turn every ``every`` frames of the bucket; between probes the bucket serves
     the candidate whose median of the last ``window`` measured latencies is lowest. A probe
     is a real frame (its outputs are used); it costs at most ``margin`` more than the
-    prediction said, or less than the plan measures. Measurements are kept per plan key (cut and encoding),
-    so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
+    prediction said, or less than the plan measures. Measurements are kept per plan key
+    (cut and encoding), so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
     (all local) is measured once for every bucket: its latency does not depend on the link,
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
     bucket probe it again. A plan is anything with a ``key`` and a predicted
