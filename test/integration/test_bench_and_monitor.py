@@ -136,6 +136,18 @@ def test_bench_quick_writes_report(tmp_path):
         # the robot idles --settle-s (default 50 ms) between a frame's answer and the next
         gaps = [b[0] - (a[0] + a[3]) for a, b in zip(order, order[1:])]
         assert min(gaps) >= 0.045, gaps
+        # paired trace: both modes' frame i started at the same point of the trace, and
+        # frame i + 1 where the slower of the two ended (plus the settle time)
+        start = {}
+        for r in rows:
+            if r["trace"] == trace:
+                start.setdefault(int(r["frame"]), set()).add(float(r["trace_s"]))
+        assert all(len(v) == 1 for v in start.values()), start
+        pos = [start[f].pop() for f in range(3)]
+        slowest = [max(w for _, f2, _, w in order if f2 == f) for f in range(3)]
+        assert pos[0] == 0.0
+        assert [b - a for a, b in zip(pos, pos[1:])] == [pytest.approx(0.05 + w, abs=2e-3) for w in slowest[:2]]
+    assert "paired trace" in report
     for r in rows:
         if r["mode_asked"] == "full_offload" and r["trace"] == "const50M":
             assert float(r["latency_s"]) >= int(r["bytes_up"]) * 8 / 50e6

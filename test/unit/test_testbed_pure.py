@@ -101,6 +101,35 @@ def test_loopback_testbed_is_unshaped_and_says_so():
         netns.Testbed(qdisc="cake")
 
 
+def test_trace_replayer_seek_plays_on_from_the_position():
+    """TraceReplayer.seek applies the rate at the position at once and plays on from there
+    on time; positions outside the replay are refused (the benchmark's paired traces)."""
+    step = 0.05
+    trace = traces.Trace([1e6, 2e6, 3e6, 4e6, 5e6, 6e6], step, "t")
+    with netns.Testbed(loopback=True) as tb:
+        with TraceReplayer(tb, trace, repeat=2) as rp:
+            deadline = time.monotonic() + 5
+            while len(rp.applied) < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            t_seek = time.monotonic()
+            rp.seek(0.06)                   # inside step 1 (2 Mbit/s)
+            assert rp.applied[-1] == (0.06, 2e6) and tb.rate_bps == 2e6
+            while len(rp.applied) < 6 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            t_next = time.monotonic()
+            with pytest.raises(ValueError, match="outside"):
+                rp.seek(2 * len(trace) * step)
+            with pytest.raises(ValueError, match="outside"):
+                rp.seek(-0.1)
+        seen = [r for _, r in rp.applied]
+        assert seen[:4] == [1e6, 2e6, 3e6, 4e6]
+        # after the seek: step 1 now, then steps 2 and 3, each on time from the seek
+        assert seen[4:6] == [2e6, 3e6]
+        assert [p for p, _ in rp.applied[4:6]] == [0.06, pytest.approx(2 * step)]
+        assert 0.02 <= t_next - t_seek <= 0.04 + 0.1, t_next - t_seek
+        assert rp.error is None
+
+
 # -- the delay relay (link="tun"), without TUN devices -----------------------------------
 def test_delay_line_releases_in_order_after_the_delay():
     line = delay_link.DelayLine(0.010, max_packets=3)

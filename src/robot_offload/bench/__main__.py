@@ -45,6 +45,9 @@ def main(argv=None):
                     help="run the modes in turn frame by frame (one segment per trace) rather "
                          "than one after the other: on a shared machine whose speed drifts, "
                          "every mode's frame i then meets the same load and trace point")
+    ap.add_argument("--no-paired-trace", action="store_true",
+                    help="with --interleave, let the trace play on in wall time instead of "
+                         "starting every mode's frame i at the same point of it")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="robot side on the lowest CPU, server side on the others (taskset), so "
                          "neither slows the other's threads as separate machines would not")
@@ -91,7 +94,8 @@ def main(argv=None):
 
     cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
-                      delay_ms=args.delay_ms, interleave=args.interleave, pin_cpus=args.pin_cpus,
+                      delay_ms=args.delay_ms, interleave=args.interleave,
+                      paired_trace=not args.no_paired_trace, pin_cpus=args.pin_cpus,
                       frames_source=args.frames_source, min_span_s=args.min_span_s,
                       max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
                       **profile)

@@ -126,6 +126,13 @@ def predictor_table(traces: Sequence[object]) -> str:
     return "\n".join(lines)
 
 
+def _trace_time(row: dict) -> float:
+    """Where in the trace the frame started: ``trace_s`` in a paired run (every mode's frame
+    i at the same point), else its start since the trace did."""
+    t = row.get("trace_s")
+    return row["t_s"] if t is None or t != t or t == "" else float(t)
+
+
 def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -137,7 +144,7 @@ def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[
             lat = np.sort([1e3 * r["latency_s"] for r in ms if not r.get("lost")])
             if lat.size:
                 ax1.step(lat, np.arange(1, lat.size + 1) / lat.size, where="post", label=mode[0])
-                ts = [r["t_s"] for r in ms if not r.get("lost")]
+                ts = [_trace_time(r) for r in ms if not r.get("lost")]
                 ax2.plot(ts, [1e3 * r["latency_s"] for r in ms if not r.get("lost")], "o-", ms=3,
                          label=f"{mode[0]} latency")
         ax1.set_xlabel("latency (ms)")
@@ -150,11 +157,12 @@ def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[
         ax2.set_title("latency and link rate over time")
         ax2.grid(alpha=0.3)
         if applied.get(trace):
-            t, rate = zip(*applied[trace])
+            # by trace position: a paired run seeks back for every mode's frame
+            t, rate = zip(*sorted(applied[trace], key=lambda a: a[0]))
             axr = ax2.twinx()
             axr.step(t, np.array(rate) / 1e6, where="post", color="grey", alpha=0.5, label="link rate")
             axr.set_ylabel("link rate (Mbit/s)")
-            end = max((r["t_s"] for r in rs), default=0) + 1
+            end = max((_trace_time(r) + r.get("latency_s", 0) for r in rs), default=0) + 1
             ax2.set_xlim(0, end)
         ax2.legend(loc="upper left")
         fig.tight_layout()

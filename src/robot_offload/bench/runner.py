@@ -72,6 +72,8 @@ class BenchConfig:
     settle_s: float = 2.5 * DEFAULT_PERIOD_US / 1e6   # robot idle before every frame (s):
                                      # over two periods of its CPU quota (50 ms), so no frame
                                      # starts on quota the frame before it used up
+    paired_trace: bool = True        # interleaved modes: every mode's frame i starts at the
+                                     # same point of the trace (Driver.seek, TraceReplayer.seek)
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
@@ -89,8 +91,9 @@ def side_cpus(available: Sequence[int]) -> Dict[str, str]:
     return {"robot": str(cpus[0]), "server": ",".join(str(c) for c in cpus[1:])}
 
 
-def _wait_for_line(proc, token: str, timeout_s: float) -> str:
-    """Read the process's stdout until a line starting with ``token``."""
+def _wait_for_line(proc, token, timeout_s: float) -> str:
+    """Read the process's stdout until a line starting with ``token`` (a string, or a tuple
+    of them)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         line = proc.stdout.readline()
@@ -172,6 +175,10 @@ class BenchRunner:
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1; "
                                   "the orders balanced so that every mode followed every other "
                                   "equally often (bench.order)")
+            if cfg.interleave and len(cfg.modes) > 1 and cfg.paired_trace:
+                self.notes.append("paired trace: every mode's frame i started at the same point of "
+                                  "the bandwidth trace, and frame i + 1 where the slowest mode's "
+                                  "frame i ended (frames.csv: trace_s)")
             if cfg.settle_s > 0:
                 self.notes.append(f"{1e3 * cfg.settle_s:g} ms of idle before every frame "
                                   "(the robot's CPU quota refilled)")
@@ -270,6 +277,9 @@ class BenchRunner:
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
+        paired = cfg.paired_trace and len(modes) > 1
+        if paired:
+            argv.append("--paired-trace")
         driver = self._run(tb, "robot", argv, env=robot_env, stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE,
                            stderr=self._log(f"driver-{model}-{trace.name}-{tag}.log"), text=True)
@@ -280,7 +290,14 @@ class BenchRunner:
             with TraceReplayer(tb, trace, repeat=repeat) as replayer:
                 driver.stdin.write("GO\n")
                 driver.stdin.flush()
-                _wait_for_line(driver, "DONE", 60 + frames * max(30.0, 3 * cfg.timeout_s))
+                end = time.monotonic() + 60 + frames * max(30.0, 3 * cfg.timeout_s)
+                while True:
+                    line = _wait_for_line(driver, ("SEEK", "DONE"), end - time.monotonic())
+                    if line.startswith("DONE"):
+                        break
+                    replayer.seek(float(line.split()[1]))     # the driver waits for the OK
+                    driver.stdin.write("OK\n")
+                    driver.stdin.flush()
                 driver.wait(timeout=30)
             self.applied[trace.name] = list(replayer.applied)
         finally:

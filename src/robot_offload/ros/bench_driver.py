@@ -12,9 +12,11 @@ from its start and the same frames.
 With several modes (``--mode local full_offload layer_partition``) every mode is warmed up
 in turn, and then the modes take turns frame by frame: frame i in each mode, back to back,
 then frame i + 1. On a shared machine whose speed drifts by tens of percent over minutes,
-this puts every mode's frame i under the same load and the same point of the trace, so
-the ratios between modes stay meaningful where one mode after the other would compare
-different moments. The order changes from frame to frame so that every mode follows every
+this puts every mode's frame i under about the same load, so the ratios between modes stay
+meaningful where one mode after the other would compare different moments. With
+``--paired-trace`` (the runner's default for interleaved modes) every mode's frame i also
+starts at the same point of the bandwidth trace (:meth:`Driver.seek`); without it the trace
+plays on in wall time and four 1 s frames of frame i meet four different seconds of it. The order changes from frame to frame so that every mode follows every
 other equally often (:func:`robot_offload.bench.order.balanced_orders`), and
 ``--settle-s`` leaves the robot idle between frames (a camera's frames arrive with gaps
 too): the next frame starts on a CPU quota no earlier frame has used up. Rows carry
@@ -126,17 +128,38 @@ class Driver:
         rows = []
         modes = list(modes or [None])
         orders = balanced_orders(len(modes))
+        paired = record and self.args.paired_trace
+        position_s = 0.0
         i = 0
         while i < n or (time.monotonic() - t_origin < min_span_s and i < max(n, max_frames)):
+            round_s = 0.0
             for k in orders[i % len(orders)]:
                 mode = modes[k]
                 if mode is not None and len(modes) > 1:
                     self.switch(mode)
+                if paired:
+                    self.seek(position_s)
                 if self.args.settle_s > 0:
                     time.sleep(self.args.settle_s)
-                rows.append(self.one_frame(i, t_origin, timeout_s, mode))
+                row = self.one_frame(i, t_origin, timeout_s, mode)
+                if paired:
+                    row["trace_s"] = position_s
+                    round_s = max(round_s, row.get("roundtrip_wall_s",
+                                                   timeout_s or self.args.frame_timeout_s))
+                rows.append(row)
+            position_s += self.args.settle_s + round_s
             i += 1
         return rows if record else []
+
+    def seek(self, position_s):
+        """Have the runner play the bandwidth trace from ``position_s`` (its seconds) on, and
+        wait until it has. With ``--paired-trace`` every mode's frame i starts at the same
+        point of the trace, and frame i + 1 where the slowest mode's frame i ended: the
+        modes meet the same bandwidth, fades included, frame for frame."""
+        print(f"SEEK {position_s:.4f}", flush=True)
+        line = sys.stdin.readline().strip()
+        if line != "OK":
+            raise RuntimeError(f"the runner did not seek the trace to {position_s:.4f} s: {line[:200]!r}")
 
     def one_frame(self, i, t_origin, timeout_s, mode):
         key, t_pub = self.publish(i)
@@ -205,6 +228,10 @@ def main(argv=None):
                     help="wait per warm-up frame (0: --frame-timeout-s); the first frame of "
                          "layer_partition and lop profiles the model on the robot, minutes at 0.5 CPU")
     ap.add_argument("--no-go", action="store_true", help="do not wait for a line on stdin")
+    ap.add_argument("--paired-trace", action="store_true",
+                    help="before every measured frame, print 'SEEK <s>' and wait for 'OK' on "
+                         "stdin: the runner plays the trace from that point, the same for "
+                         "every mode's frame i (see Driver.seek)")
     ap.add_argument("--server-ns", default="/offload_server")
     args = ap.parse_args(rospy.myargv(argv if argv is not None else sys.argv)[1:])
 

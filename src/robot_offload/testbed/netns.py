@@ -564,10 +564,15 @@ class TraceReplayer(threading.Thread):
     """Applies a :class:`~robot_offload.testbed.traces.Trace` to a testbed, one rate per
     ``trace.step_s``, with ``tc class/qdisc change`` on both veth ends.
 
-    ``applied`` holds (t_s since start, applied uplink bit/s) for every step; ``error`` the
-    TestbedError that stopped it, if any; ``late_steps`` how many steps were applied more
-    than one step late. ``repeat`` plays the trace that many times. Use as a context
-    manager (starts on enter, stops on exit) or start()/stop().
+    ``applied`` holds (trace position in s, applied uplink bit/s) for every rate applied;
+    ``error`` the TestbedError that stopped it, if any; ``late_steps`` how many steps were
+    applied more than one step late. ``repeat`` plays the trace that many times. Use as a
+    context manager (starts on enter, stops on exit) or start()/stop().
+
+    :meth:`seek` moves the replay to another position at once (the rate there is applied
+    now, the steps after it follow on time from there): the benchmark plays the same stretch
+    of the trace to every mode's frame i, so that modes taking turns are compared under the
+    same bandwidth, not at moments seconds apart (an outdoor fade lasts half a second).
     """
 
     def __init__(self, testbed, trace, *, repeat=1, clock=time.monotonic):
@@ -582,6 +587,10 @@ class TraceReplayer(threading.Thread):
         self.late_steps = 0
         self._clock = clock
         self._stop_event = threading.Event()
+        self._moved = threading.Event()     # a seek: the thread recomputes its next step
+        self._lock = threading.Lock()       # one tc change at a time; guards the fields below
+        self._t0 = None                     # clock time of trace position 0
+        self._next = 0                      # index of the next step to apply
 
     def __enter__(self):
         self.start()
@@ -593,11 +602,14 @@ class TraceReplayer(threading.Thread):
 
     def start(self):
         self.testbed._replayers.append(self)
+        with self._lock:
+            self._t0 = self._clock()
         super().start()
 
     def stop(self, timeout_s=5.0):
         """Stop applying rates and wait for the thread (the last rate stays applied)."""
         self._stop_event.set()
+        self._moved.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout_s)
         if self in self.testbed._replayers:
@@ -607,24 +619,55 @@ class TraceReplayer(threading.Thread):
     def finished(self):
         return self.ident is not None and not self.is_alive()
 
-    def run(self):
-        rates = self.trace.rates_bps
+    @property
+    def steps(self):
+        return self.repeat * len(self.trace.rates_bps)
+
+    def seek(self, position_s):
+        """Apply the trace's rate at ``position_s`` (seconds from the trace's start, within
+        its ``repeat`` plays) now, and play on from there. Raises TestbedError when the
+        rate cannot be applied, ValueError for a position outside the replay."""
         step = self.trace.step_s
-        t0 = self._clock()
-        for k in range(self.repeat * len(rates)):
-            due = t0 + k * step
-            if self._stop_event.wait(max(0.0, due - self._clock())):
-                return
-            try:
-                applied = self.testbed.set_rate(float(rates[k % len(rates)]))
-            except TestbedError as e:
-                self.error = e
-                log.error("trace replay stopped: %s", e)
-                return
-            now = self._clock()
-            if now - due > step:
-                self.late_steps += 1
-            self.applied.append((now - t0, applied))
+        position_s = float(position_s)
+        if not 0.0 <= position_s < self.steps * step:
+            raise ValueError(f"position {position_s!r} s is outside the replay "
+                             f"(0 to {self.steps * step:g} s)")
+        k = min(int(position_s / step + 1e-9), self.steps - 1)
+        with self._lock:
+            self._apply(k, position_s)
+            self._t0 = self._clock() - position_s
+            self._next = k + 1
+        self._moved.set()
+
+    def _apply(self, k, position_s):
+        """Apply step ``k`` (the caller holds the lock)."""
+        rates = self.trace.rates_bps
+        applied = self.testbed.set_rate(float(rates[k % len(rates)]))
+        self.applied.append((position_s, applied))
+
+    def run(self):
+        step = self.trace.step_s
+        while not self._stop_event.is_set():
+            with self._lock:
+                self._moved.clear()
+                k = self._next
+                if k >= self.steps:
+                    return
+                due = self._t0 + k * step
+            if self._moved.wait(max(0.0, due - self._clock())):
+                continue            # stopped, or sought elsewhere: recompute
+            with self._lock:
+                if self._next != k or self._t0 + k * step != due:
+                    continue        # a seek came between the wait and the lock
+                try:
+                    self._apply(k, k * step)
+                except TestbedError as e:
+                    self.error = e
+                    log.error("trace replay stopped: %s", e)
+                    return
+                self._next = k + 1
+                if self._clock() - due > step:
+                    self.late_steps += 1
 
 
 # -- helpers ---------------------------------------------------------------------------
