@@ -273,6 +273,56 @@ def test_measured_choice_times_all_local_whatever_its_prediction():
     assert m.choose(i, plan, [other]) == (other, False)
 
 
+def test_measured_choice_carries_prediction_errors_to_new_buckets():
+    """What a plan measured against its prediction in one bucket corrects its prediction in
+    the next: an alternative that measured far slower than predicted is no probe in a new
+    bucket, one that measured faster still is (MeasuredChoice.ruled_out)."""
+    table = PlanTable(_profile(), PlannerConfig())
+    found = None
+    for i in range(len(table.plans)):
+        for j in range(i + 1, len(table.plans)):
+            if table.plans[i].key == table.plans[j].key:
+                common = ({a.key for a in table.alternatives[i] if not a.link_free}
+                          & {a.key for a in table.alternatives[j]})
+                if common:
+                    found = (i, j, next(iter(common)))
+                    break
+        if found:
+            break
+    assert found, "need two buckets with the same plan and a common alternative"
+    i, j, alt_key = found
+    plan_i, plan_j = table.plans[i], table.plans[j]
+    alt_i = next(a for a in table.alternatives[i] if a.key == alt_key)
+    alt_j = next(a for a in table.alternatives[j] if a.key == alt_key)
+    for rel in (1.3, 0.8):          # alt's corrected prediction in j, relative to the plan's
+        alt_error = rel * plan_j.latency_s / alt_j.latency_s
+        m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2, known_margin=0.10)
+        truth = {plan_i.key: 1.0, alt_i.key: alt_error}     # measured / predicted
+        for _ in range(6):
+            p, _probe = m.choose(i, plan_i, [alt_i])
+            m.observe(i, p, p.latency_s * truth[p.key])
+        assert m.median_s(i, alt_i) is not None and m.median_s(j, alt_j) is None
+        assert m.corrected_s(alt_j) == pytest.approx(alt_j.latency_s * alt_error)
+        # alt predicted within ``margin`` (huge here): a candidate unless ruled out, i.e.
+        # unless its corrected prediction is over known_margin slower than the plan's
+        expected = rel <= 1.10
+        assert m.ruled_out(plan_j, alt_j) == (not expected)
+        assert m.candidate(j, plan_j, alt_j) == expected
+        ran = []
+        for _ in range(3):
+            p, probe = m.choose(j, plan_j, [alt_j])
+            ran.append((p.key == alt_j.key, probe))
+            m.observe(j, p, p.latency_s * truth[p.key])
+        assert any(a for a, _ in ran) == expected, ran
+    # errors known for one side only: the margin decides as before
+    m = MeasuredChoice(margin=1e9, min_samples=2)
+    m.observe(i, alt_i, alt_i.latency_s * 3)
+    m.observe(i, alt_i, alt_i.latency_s * 3)
+    assert m.corrected_s(plan_i) is None and not m.ruled_out(plan_i, alt_i)
+    with pytest.raises(ConfigError):
+        MeasuredChoice(known_margin=-0.1)
+
+
 def test_drift_tracker_replans_after_sustained_drift():
     t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
     assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise
