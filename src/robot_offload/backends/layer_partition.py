@@ -117,7 +117,8 @@ class LayerPartitionBackend(Backend):
             if factor is not None:
                 cfg = replace(cfg, server_load=factor)
                 tracker.assume("server", factor)
-            measured = (MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every))
+            measured = (MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every),
+                                       known_margin=c.probe_known_margin)
                         if int(c.probe_every) > 0 and cfg.objective == "latency" else None)
             st = _ShapeState(profile, cfg, PlanTable(profile, cfg), tracker, measured)
             self._states[shape] = st
