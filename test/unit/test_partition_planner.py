@@ -314,6 +314,17 @@ def test_measured_choice_carries_prediction_errors_to_new_buckets():
             ran.append((p.key == alt_j.key, probe))
             m.observe(j, p, p.latency_s * truth[p.key])
         assert any(a for a, _ in ran) == expected, ran
+    # measured in this bucket already (and faster than the plan here): a candidate whatever
+    # the corrected predictions say, so that its latency here decides
+    m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2, known_margin=0.10)
+    for _ in range(2):
+        m.observe(i, plan_i, plan_i.latency_s)
+        m.observe(i, alt_i, alt_i.latency_s * 3 * plan_i.latency_s / alt_i.latency_s)
+    m.observe(j, alt_j, 0.5 * plan_j.latency_s)
+    assert m.ruled_out(plan_j, alt_j) and m.candidate(j, plan_j, alt_j)
+    m.observe(j, plan_j, plan_j.latency_s)
+    m.observe(j, plan_j, plan_j.latency_s)
+    assert m.choose(j, plan_j, [alt_j]) == (alt_j, False)    # measured faster here: served
     # errors known for one side only: the margin decides as before
     m = MeasuredChoice(margin=1e9, min_samples=2)
     m.observe(i, alt_i, alt_i.latency_s * 3)

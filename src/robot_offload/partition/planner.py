@@ -460,7 +460,7 @@ class MeasuredChoice:
         pays ``min_samples`` frames of it once, not once per bucket."""
         if alternative is None or alternative.key == plan.key:
             return False
-        if self._count(bucket, alternative) < self.min_samples and self.ruled_out(plan, alternative):
+        if self._count(bucket, alternative) == 0 and self.ruled_out(plan, alternative):
             return False
         if self.close_call(plan, alternative):
             return True
@@ -486,7 +486,8 @@ class MeasuredChoice:
     def ruled_out(self, plan, alternative) -> bool:
         """Both plans have run, in this bucket or others, and ``alternative``'s prediction
         corrected by its measured error is more than ``known_margin`` slower than the plan's
-        corrected the same way: not worth a probe here.
+        corrected the same way: not worth a first probe in a bucket where it has not run
+        (once it has, its latency there decides, see :meth:`candidate`).
 
         A plan's prediction errs by about the same factor in every bucket (its compute
         times, its per-call costs; the bandwidth is what changes), while its latency does
