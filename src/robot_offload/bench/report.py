@@ -130,7 +130,7 @@ def _trace_time(row: dict) -> float:
     """Where in the trace the frame started: ``trace_s`` in a paired run (every mode's frame
     i at the same point), else its start since the trace did."""
     t = row.get("trace_s")
-    return row["t_s"] if t is None or t != t or t == "" else float(t)
+    return row["t_s"] if t is None else t
 
 
 def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[str]:

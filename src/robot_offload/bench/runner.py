@@ -78,6 +78,12 @@ class BenchConfig:
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
 
+    @property
+    def pairs_traces(self) -> bool:
+        """Whether the modes of a trace's segment meet the same stretch of it frame for
+        frame (``paired_trace`` with several interleaved modes; see Driver.seek)."""
+        return self.paired_trace and self.interleave and len(self.modes) > 1
+
 
 def side_cpus(available: Sequence[int]) -> Dict[str, str]:
     """``taskset -c`` lists for each side: the robot on the lowest CPU, the server on the
@@ -175,7 +181,7 @@ class BenchRunner:
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1; "
                                   "the orders balanced so that every mode followed every other "
                                   "equally often (bench.order)")
-            if cfg.interleave and len(cfg.modes) > 1 and cfg.paired_trace:
+            if cfg.pairs_traces:
                 self.notes.append("paired trace: every mode's frame i started at the same point of "
                                   "the bandwidth trace, and frame i + 1 where the slowest mode's "
                                   "frame i ended (frames.csv: trace_s)")
@@ -277,8 +283,7 @@ class BenchRunner:
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
-        paired = cfg.paired_trace and len(modes) > 1
-        if paired:
+        if cfg.pairs_traces:
             argv.append("--paired-trace")
         driver = self._run(tb, "robot", argv, env=robot_env, stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE,
