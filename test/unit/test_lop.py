@@ -33,7 +33,7 @@ from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, ROBOT_TAIL_MAX_SHARE
                                           RegionChoice, join_encoding,
                                           compare_solvers, load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
-from robot_offload.partition.planner import PlannerConfig, plan_for
+from robot_offload.partition.planner import MeasuredChoice, PlannerConfig, plan_for
 from robot_offload.partition.profile import build_profile, encoding_key
 from robot_offload.partition.spatial import SpatialGraph
 from robot_offload.protocol import ComputeRequest, StatusCode
@@ -662,9 +662,10 @@ def test_spatial_frames_do_not_feed_the_drift_tracker(shared_server, profile_dir
         assert st.tracker.samples == before
         by_kind = {c.kind: c for c in st.profile.cuts}
         local = plan_for(st.profile, by_kind[OUTPUT_CUT].id, "raw/none", 20e6, st.cfg)
-        ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=1e6, latency_s=local.latency_s,
-                                             energy_j=0.0, partition=local)], 0.0)
-        frame, = _frames_at(backend, x, ref, 1, 20e6, "all local")
+        frame = FrameStats()
+        y = backend.run_schedule(x, LopPlan(bandwidth_bps=1e6, latency_s=local.latency_s,
+                                            energy_j=0.0, partition=local), frame, 120)
+        _assert_same_outputs(y, ref, "all local")
         assert not frame.extra["lop"]["spatial"]
         assert st.tracker.samples["robot"] == before["robot"] + 1
     finally:
@@ -674,31 +675,41 @@ def test_spatial_frames_do_not_feed_the_drift_tracker(shared_server, profile_dir
 def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profile_dir):
     """A schedule's first run is no latency sample (it sets kernels up), except all local:
     the model's own forward, nothing new to set up, and a wasted sample costs a whole
-    local inference. A layer partition's first run is still left out."""
+    local inference. Here the measured choice of a spatial bucket probes layer
+    partitioning's plan (all local, or full offload) on its first run."""
     client = _client(shared_server, "vgg19", profile_dir, partition_codecs=("raw",),
                      probe_every=5, replan_threshold=1e9)
     try:
         backend, x, ref, ls, st = _planned(client, seed=7)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
         by_kind = {c.kind: c for c in st.profile.cuts}
+        j = st.table.index(20e6)
         for kind, sampled in ((OUTPUT_CUT, True), (INPUT_CUT, False)):
             part = plan_for(st.profile, by_kind[kind].id, "raw/none", 20e6, st.cfg)
-            ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=1e6, latency_s=part.latency_s,
-                                                 energy_j=0.0, partition=part)], 0.0)
-            ls.current = None
+            # the spatial schedule measured 10 s twice, predicted slower than ``part``:
+            # ``part`` is the close call still to be timed, so the next frame probes it
+            spatial = dataclasses.replace(_spatial_plan(loss, st, i, 8), latency_s=10 * part.latency_s)
+            ls.table, ls.current = LopTable((1e6,), [spatial], 0.0), None
+            st.table.plans[j], st.table.alternatives[j] = part, []
+            st.measured = MeasuredChoice(margin=0.25, every=100)
+            for _ in range(2):
+                st.measured.observe(("lop", 0), spatial, 10.0)
             frame, = _frames_at(backend, x, ref, 1, 20e6, kind)
-            assert not frame.extra["lop"]["spatial"]
+            assert not frame.extra["lop"]["spatial"] and frame.extra["lop"]["probe"], kind
+            assert frame.extra["partition"]["cut"] == by_kind[kind].label
             assert (st.measured.median_s(("lop", 0), part) is not None) == sampled, kind
     finally:
         client.close()
 
 
-def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared_server, profile_dir):
-    """A LOSS schedule without a spatial region is a layer partition, and lop gives it the
-    alternatives layer_partition has in that bucket: here LOSS's full offload, predicted
-    as fast as all local, really slower (every request waits 0.3 s): all local is timed
-    too and serves the bucket once every close alternative has its samples, and every frame
-    equals local. (No periodic probes here: which alternatives are close calls depends on
-    this machine's profile, up to four of them, probed three times each.)"""
+def test_a_bucket_without_a_spatial_schedule_runs_layer_partitions_frames(shared_server, profile_dir):
+    """Where LOSS degrades to layer partitioning, the frame is layer_partition's own: its
+    plan for the bandwidth (not LOSS's copy), its alternatives and its measurements, keyed
+    by its bucket. Here layer partitioning's full offload, predicted as fast as all local,
+    is really slower (every request waits 0.3 s): all local is timed too and serves the
+    bucket, and every frame equals local. (No periodic probes here: which alternatives are
+    close calls depends on this machine's profile.)"""
     client = _client(shared_server, "vgg19", profile_dir, transport=_SlowLink(shared_server),
                      partition_codecs=("raw",), probe_every=1000, replan_threshold=1e9)
     try:
@@ -708,19 +719,20 @@ def test_a_layer_partition_schedule_gets_layer_partitions_measured_choice(shared
         offload = plan_for(st.profile, by_kind[INPUT_CUT].id, "raw/none", 20e6, st.cfg)
         offload = dataclasses.replace(offload, prediction=dataclasses.replace(
             offload.prediction, latency_s=local.latency_s))
+        # LOSS's table says all local; layer partitioning's says full offload, and wins
         ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=20e6, latency_s=local.latency_s,
-                                             energy_j=offload.prediction.energy_j,
-                                             partition=offload)], 0.0)
-        alternatives = [st.table.lookup(20e6)] + st.table.alternatives[st.table.index(20e6)]
-        assert local.key in {a.key for a in alternatives}
-        frames = _frames_at(backend, x, ref, 20, 20e6, "layer-partition schedule")
+                                             energy_j=0.0, partition=local)], 0.0)
+        j = st.table.index(20e6)
+        st.table.plans[j], st.table.alternatives[j] = offload, [local]
+        frames = _frames_at(backend, x, ref, 12, 20e6, "layer-partition bucket")
         assert not any(s.extra["lop"]["spatial"] for s in frames)
         served = [(s.extra["partition"]["cut"], s.extra["lop"]["probe"]) for s in frames]
-        local_label = by_kind[OUTPUT_CUT].label
-        assert served[0] == (by_kind[INPUT_CUT].label, False), served
+        local_label, offload_label = by_kind[OUTPUT_CUT].label, by_kind[INPUT_CUT].label
+        assert served[0] == (offload_label, False), served
         assert served[-4:] == [(local_label, False)] * 4, served
-        key = ("lop", 0)
-        assert st.measured.median_s(key, local) < st.measured.median_s(key, offload)
+        assert all(s.plan.startswith("lop:") for s in frames)
+        assert st.measured.median_s(j, local) < st.measured.median_s(j, offload)
+        assert st.measured.median_s(("lop", 0), offload) is None
     finally:
         client.close()
 

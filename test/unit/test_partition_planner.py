@@ -273,27 +273,28 @@ def test_measured_choice_times_all_local_whatever_its_prediction():
     assert m.choose(i, plan, [other]) == (other, False)
 
 
+def _two_buckets_sharing_plans():
+    """A plan table and two of its buckets i < j with the same plan and a common
+    alternative, both crossing the link: (table, i, j, plan_i, plan_j, alt_i, alt_j)."""
+    table = PlanTable(_profile(), PlannerConfig())
+    for i in range(len(table.plans)):
+        for j in range(i + 1, len(table.plans)):
+            if table.plans[i].key == table.plans[j].key and not table.plans[i].link_free:
+                common = ({a.key for a in table.alternatives[i] if not a.link_free}
+                          & {a.key for a in table.alternatives[j]})
+                if common:
+                    key = min(common)
+                    alt_i = next(a for a in table.alternatives[i] if a.key == key)
+                    alt_j = next(a for a in table.alternatives[j] if a.key == key)
+                    return table, i, j, table.plans[i], table.plans[j], alt_i, alt_j
+    pytest.fail("need two buckets with the same plan and a common alternative")
+
+
 def test_measured_choice_carries_prediction_errors_to_new_buckets():
     """What a plan measured against its prediction in one bucket corrects its prediction in
     the next: an alternative that measured far slower than predicted is no probe in a new
     bucket, one that measured faster still is (MeasuredChoice.ruled_out)."""
-    table = PlanTable(_profile(), PlannerConfig())
-    found = None
-    for i in range(len(table.plans)):
-        for j in range(i + 1, len(table.plans)):
-            if table.plans[i].key == table.plans[j].key:
-                common = ({a.key for a in table.alternatives[i] if not a.link_free}
-                          & {a.key for a in table.alternatives[j]})
-                if common:
-                    found = (i, j, next(iter(common)))
-                    break
-        if found:
-            break
-    assert found, "need two buckets with the same plan and a common alternative"
-    i, j, alt_key = found
-    plan_i, plan_j = table.plans[i], table.plans[j]
-    alt_i = next(a for a in table.alternatives[i] if a.key == alt_key)
-    alt_j = next(a for a in table.alternatives[j] if a.key == alt_key)
+    table, i, j, plan_i, plan_j, alt_i, alt_j = _two_buckets_sharing_plans()
     for rel in (1.3, 0.8):          # alt's corrected prediction in j, relative to the plan's
         alt_error = rel * plan_j.latency_s / alt_j.latency_s
         m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2, known_margin=0.10)
@@ -494,3 +495,33 @@ def test_near_ties_go_to_the_lower_error():
     assert best_plan(p, 8 * MB, cfg).encoding == "int8/zstd"
     with pytest.raises(ConfigError):
         PlannerConfig(tie_margin=1.0).validate()
+
+
+def test_measured_choice_leads_a_new_bucket_with_the_fastest_corrected_prediction():
+    """A plan that measured far slower than predicted, against an alternative that measured
+    as predicted, does not run first in the next bucket: the alternative leads there (not a
+    probe) and the plan, ruled out, is not run at all. With no errors measured, or errors
+    within ``known_margin``, the plan leads as before."""
+    _table, i, j, plan_i, plan_j, alt_i, alt_j = _two_buckets_sharing_plans()
+    for plan_error, alt_leads in ((3.0, True), (1.0, False)):
+        # the alternative's error puts its corrected prediction in j at 1.0x the plan's
+        # predicted latency there; the plan's corrected one is plan_error times that
+        alt_error = plan_j.latency_s / alt_j.latency_s
+        truth = {plan_i.key: plan_error, alt_i.key: alt_error}
+        m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2, known_margin=0.10)
+        assert m.lead(j, plan_j, [alt_j]) is plan_j          # nothing measured yet
+        for _ in range(6):
+            p, _probe = m.choose(i, plan_i, [alt_i])
+            m.observe(i, p, p.latency_s * truth[p.key])
+        assert m.median_s(j, plan_j) is None and m.median_s(j, alt_j) is None
+        assert (m.lead(j, plan_j, [alt_j]) is alt_j) == alt_leads
+        ran = []
+        for _ in range(4):
+            p, probe = m.choose(j, plan_j, [alt_j])
+            ran.append(("alt" if p.key == alt_j.key else "plan", probe))
+            m.observe(j, p, p.latency_s * truth[p.key])
+        if alt_leads:
+            assert ran == [("alt", False)] * 4, ran
+        else:
+            # the plan first, then the alternative (a close call, not ruled out) as a probe
+            assert ran[0] == ("plan", False) and ("alt", True) in ran, ran

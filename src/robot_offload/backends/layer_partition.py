@@ -210,17 +210,27 @@ class LayerPartitionBackend(Backend):
     def infer(self, x, stats, timeout_s):
         profiled_now = self.shape_key(x) not in self._states
         st = self.state(x)
-        bw = self.frame_bandwidth(stats)
-        i = st.table.index(bw)
+        y, _plan = self.partition_frame(x, st, stats, timeout_s, self.frame_bandwidth(stats),
+                                        sample=not profiled_now)
+        return y
+
+    def partition_frame(self, x: torch.Tensor, st: _ShapeState, stats, timeout_s: float,
+                        bandwidth_bps: float, sample: bool = True) -> Tuple[object, Plan]:
+        """One frame as layer partitioning runs it at ``bandwidth_bps``: the bucket's plan,
+        or the measured choice's pick among it and its alternatives, timed for that choice
+        unless ``sample`` is false (the frame also measured the profile). ``lop`` runs its
+        buckets without a spatial schedule through here, so that LOSS degrading to layer
+        partitioning means exactly this backend's frames. Returns (outputs, plan run)."""
+        i = st.table.index(bandwidth_bps)
         plan, probe = st.table.plans[i], False
         if st.measured is not None:
             plan, probe = st.measured.choose(i, plan, st.table.alternatives[i])
         t0 = time.perf_counter()
-        y = self.run_plan(x, plan, stats, timeout_s, bw)
-        if st.measured is not None and not profiled_now:
+        y = self.run_plan(x, plan, stats, timeout_s, bandwidth_bps)
+        if st.measured is not None and sample:
             st.measured.observe(i, plan, time.perf_counter() - t0)
         stats.extra["partition"]["probe"] = probe
-        return y
+        return y, plan
 
     def run_plan(self, x: torch.Tensor, plan: Plan, stats, timeout_s: float,
                  bandwidth_bps: Optional[float] = None):

@@ -7,8 +7,9 @@ cache as ``layer_partition``), analyses the graph's operators
 frame it looks up the schedule for the predicted bandwidth, so plans switch as the
 bandwidth changes:
 
-* a layer-partition schedule runs exactly as ``layer_partition`` does (LOSS degrades to
-  it when no local region pays off);
+* where no local region pays off, LOSS degrades to layer partitioning and the frame is
+  ``layer_partition``'s own (:meth:`~LayerPartitionBackend.partition_frame`: its bucket,
+  plan, measured choice and measurements);
 * a spatial schedule runs the head to the region's first cut, starts transfer A (the rows
   of the first cut's tensors the server's stripe needs) on a transport worker thread,
   computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
@@ -21,8 +22,8 @@ bandwidth changes:
 
 The layer-partition frames lop runs feed the same drift tracker as layer partitioning
 (spatial frames do not: their stripe predictions are biased, see ``_run_spatial``), and
-the schedules are solved again when the load factors move. The bucket's schedule and
-what ``layer_partition`` would consider there (its plan, the best plan at another cut,
+the schedules are solved again when the load factors move. A bucket's spatial schedule
+and what ``layer_partition`` would consider there (its plan, the best plan at another cut,
 all local, full offload) are timed against each other when their predictions are within
 ``probe_margin`` (layer_partition's measured choice; all local whatever its prediction),
 and the fastest serves the bucket.
@@ -235,19 +236,27 @@ class LopBackend(LayerPartitionBackend):
         ls = self.lop_state(x)
         plan = self._sticky(ls, bw)
         st = self.state(x)
+        if not plan.spatial:
+            # LOSS degraded to layer partitioning here: the frame is layer_partition's own
+            # (its bucket, plan, alternatives and measurements), not a second copy of it
+            # keyed by LOSS's bucket. The copy probed the same alternatives again in its
+            # own buckets and could settle on another cut: on the small models
+            # (docs/bench/lop-all8, MobileNetV2 and RegNetY, 30-45 ms frames) 10 of 23
+            # frames were probes and lop ran 5-23 % behind layer_partition in 7 cells.
+            y, ran = self.partition_frame(x, st, stats, timeout_s, bw, sample=not profiled_now)
+            self._as_lop(stats, ran, stats.extra["partition"]["probe"])
+            return y
         i = ls.current[1]
-        planned = plan if plan.spatial else plan.partition
-        chosen, probe = planned, False
+        chosen, probe = plan, False
         if st.measured is not None:
-            # LOSS's schedule (spatial, or its layer partition) against what
-            # layer_partition would consider in this bucket: its plan and that plan's
-            # alternatives (the best plan at another cut, all local, full offload).
-            # Measured latency settles the close calls (robot stripes on new slab shapes,
-            # a shared server, passive bandwidth estimates: the predictions err most
-            # here), so lop is never left on a schedule that layer_partition has measured
-            # to be slower than one of these.
+            # LOSS's spatial schedule against what layer_partition would consider in this
+            # bucket: its plan and that plan's alternatives (the best plan at another cut,
+            # all local, full offload). Measured latency settles the close calls (robot
+            # stripes on new slab shapes, a shared server, passive bandwidth estimates:
+            # the predictions err most here), so lop is never left on a schedule that
+            # layer_partition has measured to be slower than one of these.
             j = st.table.index(bw)
-            chosen, probe = st.measured.choose(("lop", i), planned,
+            chosen, probe = st.measured.choose(("lop", i), plan,
                                                [st.table.plans[j]] + st.table.alternatives[j])
         # The first run of a schedule sets up kernels for its slab shapes (and the first
         # spatial frame has the server record the graph): not what it costs after, so it
@@ -282,13 +291,18 @@ class LopBackend(LayerPartitionBackend):
         return plan
 
     def _run_partition(self, x: torch.Tensor, partition, stats, timeout_s: float, bw: float):
-        """A layer-partition frame of ``lop`` (a schedule without a spatial region, or the
-        measured choice's pick over one), its stats marked as lop's."""
+        """A layer-partition frame of ``lop`` (the measured choice's pick over a spatial
+        schedule, or a schedule without a spatial region run directly), marked as lop's."""
         y = self.run_plan(x, partition, stats, timeout_s, bw)
+        self._as_lop(stats, partition)
+        return y
+
+    @staticmethod
+    def _as_lop(stats, partition, probe: bool = False) -> None:
+        """A layer-partition frame's stats marked as one of ``lop``'s."""
         stats.plan = "lop:" + stats.plan
         stats.extra["lop"] = {"schedule": "layer_partition " + partition.describe(), "spatial": False,
-                              "predicted_s": partition.latency_s}
-        return y
+                              "predicted_s": partition.latency_s, "probe": probe}
 
     def run_schedule(self, x: torch.Tensor, plan: LopPlan, stats, timeout_s: float,
                      bandwidth_bps: float = None, observe_drift: bool = True):
