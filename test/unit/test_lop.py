@@ -26,11 +26,12 @@ from torch import nn
 
 from robot_offload import backends, codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec
 from robot_offload.partition import lop_executor
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, capture
 from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, ROBOT_TAIL_MAX_SHARE, LopPlan, LopTable, Loss,
-                                          RegionChoice, join_encoding,
+                                          RegionChoice, encodings_for, join_encoding,
                                           compare_solvers, load_or_solve, predict, solve_buckets, solve_grid,
                                           table_key)
 from robot_offload.partition.planner import MeasuredChoice, PlannerConfig, plan_for
@@ -305,13 +306,15 @@ def test_plans_switch_with_bandwidth_and_are_cached(shared_server, profile_dir, 
         # server's measured ones), and transfers are raw: the 64x64 input then takes 79 ms
         # at 5 Mbit/s, so no plan that gives the server most of the work beats local there,
         # and 4 ms at 100 Mbit/s, where such a plan beats local. Checked over 30 random
-        # +-50 % perturbations of the node times: 2-4 distinct plans each time.
+        # +-50 % perturbations of the node times: 2-4 distinct plans each time. No fixed
+        # cost of a spatial frame: 5 ms of a 40 ms model would leave no spatial schedule
+        # worth a bucket, and the switching is what is tested here.
         profile = copy.copy(st.profile)
         profile.fresh_tail_s = {}
         load = PLANS_SWITCH_ROBOT_S / profile.forward_s
         cfg = PlannerConfig(server_speedup=4.0, robot_load=load, server_load=load,
                             encodings=(encoding_key("raw", "none"),),
-                            buckets=BUCKETS).validate()
+                            buckets=BUCKETS, spatial_overhead_s=0.0).validate()
         calls = []
 
         def factory():
@@ -387,6 +390,21 @@ def test_grid_solver_matches_or_beats_differential_evolution(shared_server, prof
                 g = solve_grid(loss, b, cfg)
                 key = (lambda q: q.latency_s) if objective == "latency" else (lambda q: q.energy_j)
                 assert key(p) == pytest.approx(key(g), rel=1e-9), (b, p.describe(), g.describe())
+        # Every spatial schedule carries the fixed cost of a spatial frame
+        # (spatial_overhead_s): predicted exactly that much slower, and under a large one
+        # LOSS keeps the layer partitions everywhere.
+        cfg = dataclasses.replace(st.cfg, objective="latency", buckets=(2e6, 10e6, 40e6, 150e6))
+        cand, enc = next((c, e[0][0]) for c in loss.candidates()
+                         for e in [encodings_for(loss.profile, c, cfg)] if e)
+        free = dataclasses.replace(cfg, spatial_overhead_s=0.0)
+        dear = dataclasses.replace(cfg, spatial_overhead_s=0.25)
+        assert (predict(loss.profile, cand, enc, 20e6, dear).latency_s
+                == pytest.approx(predict(loss.profile, cand, enc, 20e6, free).latency_s + 0.25))
+        assert any(p.spatial for p in solve_buckets(loss, free, min_gain=0.0))
+        assert not any(p.spatial for p in solve_buckets(loss, dataclasses.replace(cfg, spatial_overhead_s=10.0),
+                                                         min_gain=0.0))
+        with pytest.raises(ConfigError):
+            dataclasses.replace(cfg, spatial_overhead_s=-0.001).validate()
     finally:
         client.close()
 

@@ -54,6 +54,16 @@ it runs only up to ``c3`` and ``c3``'s tensors come down instead of the outputs:
 
     latency  = max(b_in, s_ready) + server(c2 -> c3) + c3 bytes + rtt/2 + r * tail_robot(c3)
 
+Every spatial schedule's latency also carries ``spatial_overhead_s`` (PlannerConfig,
+5 ms): what a spatial frame costs that these terms leave out -- the transport worker that
+sends A, the slicing and joining of rows around every region node on both sides, the
+second request when the server joins. Measured on the testbed (docs/bench/lop-all9, 0.5-CPU
+robot, medians): spatial frames ran over their predictions by 3.8 ms on DenseNet-121,
+4.1 ms on MobileNetV2, 6.4 ms on RegNetY, 5.1 ms on VGG-19 and 0.4 ms on ConvNeXt-T, the
+same models' layer-partition frames by -4.2 to +0.1 ms (VGG-19 +7.4); without it,
+MobileNetV2's spatial schedule at 100 Mbit/s, predicted 23 ms against the layer
+partition's 27 ms, won its bucket and measured 27-36 ms.
+
 ``stripe_*`` is the sum over region nodes of the node's robot time times the share of its
 rows that side computes (halo included); ``server_tail`` the measured tail time of ``c2``
 when there is one (as in layer partitioning). Energy: compute power while the robot
@@ -93,7 +103,7 @@ from robot_offload.partition.spatial import Region, SpatialGraph
 
 log = logging.getLogger(__name__)
 
-LOSS_VERSION = 5
+LOSS_VERSION = 6
 
 #: A spatial schedule replaces the bucket's layer partition only when predicted at least
 #: this much better (relative). It costs two round trips instead of one, a second recorded
@@ -442,6 +452,7 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
         latency = max(robot, s_ready + down_s + cfg.rtt_s / 2) + robot_tail
     else:
         latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2 + robot_tail
+    latency += cfg.spatial_overhead_s
     busy = robot + robot_tail
     tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
     waiting = max(0.0, latency - busy)
@@ -587,6 +598,7 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     down_s = down_bytes * 8.0 / bw
     latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
                        np.maximum(b_in, s_ready) + server_tail + down_s + cfg.rtt_s / 2) + robot_tail
+    latency = latency + cfg.spatial_overhead_s
     if cfg.objective == "latency":
         obj = latency
     else:

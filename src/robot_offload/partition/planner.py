@@ -79,6 +79,8 @@ class PlannerConfig:
     stripe_server_load: float = 1.0     # the load factors (see backends.lop.StripeCalibration)
     tie_margin: float = 0.01            # objectives within this fraction of the best are
                                         # equal: the lowest profiled error among them wins
+    spatial_overhead_s: float = 0.005   # lop: what a spatial frame costs beyond its modelled
+                                        # transfers and stripes (see loss.predict)
 
     def validate(self) -> "PlannerConfig":
         if self.objective not in OBJECTIVES:
@@ -92,6 +94,8 @@ class PlannerConfig:
             raise ConfigError("load factors must be > 0")
         if not 0 <= self.tie_margin < 1:
             raise ConfigError("tie_margin must be in [0, 1)")
+        if not self.spatial_overhead_s >= 0:
+            raise ConfigError("spatial_overhead_s must be >= 0")
         if self.output_codec not in codec.CODECS:
             raise ConfigError(f"unknown output codec {self.output_codec!r}")
         b = list(self.buckets)
