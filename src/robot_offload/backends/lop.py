@@ -240,9 +240,10 @@ class LopBackend(LayerPartitionBackend):
             # LOSS degraded to layer partitioning here: the frame is layer_partition's own
             # (its bucket, plan, alternatives and measurements), not a second copy of it
             # keyed by LOSS's bucket. The copy probed the same alternatives again in its
-            # own buckets and could settle on another cut: on the small models
-            # (docs/bench/lop-all8, MobileNetV2 and RegNetY, 30-45 ms frames) 10 of 23
-            # frames were probes and lop ran 5-23 % behind layer_partition in 7 cells.
+            # own buckets and could settle on another cut: in docs/bench/lop-all8 lop ran
+            # 5-23 % behind layer_partition in 7 cells of MobileNetV2 and RegNetY (30-45
+            # ms frames); RegNetY at 10 Mbit/s served a float16 cut at 44 ms against
+            # layer_partition's all local at 41.5 ms.
             y, ran = self.partition_frame(x, st, stats, timeout_s, bw, sample=not profiled_now)
             self._as_lop(stats, ran, stats.extra["partition"]["probe"])
             return y

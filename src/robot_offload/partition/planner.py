@@ -419,7 +419,9 @@ class MeasuredChoice:
     of them in turn every ``every`` frames of the bucket; an alternative that has run
     elsewhere is no probe in a new bucket when its prediction, corrected by the error it
     measured, is more than ``known_margin`` slower than the plan's corrected the same way
-    (:meth:`ruled_out`); between probes the bucket serves
+    (:meth:`ruled_out`); a new bucket starts from the plan, or from an alternative whose
+    corrected prediction is more than ``known_margin`` faster (:meth:`lead`); between
+    probes the bucket serves
     the candidate whose median of the last ``window`` measured latencies is lowest. A probe
     is a real frame (its outputs are used); it costs at most ``margin`` more than the
     prediction said, or less than the plan measures. Measurements are kept per plan key
