@@ -57,7 +57,7 @@ from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, ModelGraph
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2     # 2: CutProfile.ranges
+PROFILE_VERSION = 3     # 2: CutProfile.ranges; 3: sub-byte encode times of the faster bit packing
 DEFAULT_PROFILE_DIR = os.path.join("~", ".cache", "robot_offload", "profiles")
 #: Codecs and compressions a profile measures by default (DynO: 3..8 bits cover most layers).
 DEFAULT_CODECS = ("raw", "float16", "int8c", "int8", "int6", "int5", "int4", "int3")
