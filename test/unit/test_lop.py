@@ -776,17 +776,42 @@ def test_plan_switching_has_hysteresis():
 def test_stripe_calibration_folds_in_a_side_that_is_off_its_prediction():
     from robot_offload.backends.lop import StripeCalibration
     cal = StripeCalibration(threshold=0.15, window=5, min_samples=3)
+    solved = PlannerConfig()
     for measured in (1.3, 1.5, 1.4):
-        assert not cal.update()
+        assert not cal.update(solved)
         cal.observe("robot", 1.0, measured)
         cal.observe("server", 0.5, 0.52)           # within the threshold: kept
-    assert cal.update()
-    assert cal.load == {"robot": pytest.approx(1.4), "server": 1.0}
-    assert not cal.update()                          # samples start over with the new plans
+    assert cal.update(solved)
+    assert cal.total == {"robot": pytest.approx(1.4), "server": None}
+    assert not cal.update(solved)                    # samples start over with the new plans
     cal.observe("robot", 1.0, 0.0)
     cal.observe("robot", 0.0, 5.0)                   # no prediction: ignored
     cfg = cal.apply(PlannerConfig())
     assert (cfg.stripe_robot_load, cfg.stripe_server_load) == (pytest.approx(1.4), 1.0)
+
+
+def test_stripe_calibration_does_not_count_a_load_factor_twice():
+    """Stripes fitted while the server's load factor was still the speed-up guess (1.0),
+    measured 5x their prediction (folded in at the x4 bound): when the drift tracker later
+    puts the server's load factor at 5, the stripes stay at the x4 they were measured at
+    (stripe factor 0.8), not x20; the next fit moves them to what they measure."""
+    from robot_offload.backends.lop import StripeCalibration
+    cal = StripeCalibration(threshold=0.15, window=5, min_samples=3, bounds=(0.25, 4.0))
+    solved = cal.apply(PlannerConfig())
+    for _ in range(3):
+        cal.observe("server", 0.1, 0.5)
+    assert cal.update(solved)
+    assert cal.apply(PlannerConfig()).stripe_server_load == pytest.approx(4.0)
+    measured_load = dataclasses.replace(PlannerConfig(), server_load=5.0)
+    solved = cal.apply(measured_load)
+    assert solved.stripe_server_load == pytest.approx(0.8)
+    assert solved.server_load * solved.stripe_server_load == pytest.approx(4.0)
+    for _ in range(3):                                   # predicted x4, measured x5
+        cal.observe("server", 0.4, 0.5)
+    assert cal.update(solved)
+    assert cal.total["server"] == pytest.approx(5.0)
+    assert cal.apply(measured_load).stripe_server_load == pytest.approx(1.0)
+    assert cal.apply(measured_load).stripe_robot_load == 1.0
 
 
 def test_the_replan_thread_alone_runs_at_the_lowest_priority():
@@ -823,24 +848,24 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
         for _ in range(3):
             y = backend.run_schedule(x, plan, FrameStats(), 120)
             _assert_same_outputs(y, ref, "agrnav")
-        assert ls.calibration.load["robot"] > 2.0
+        assert ls.calibration.factor(st.cfg, "robot") > 2.0
         backend.replan_cpu_share = 0.01               # a hold-off of 99x the solve's time
         ls = backend.lop_state(x)                     # starts the re-solve
         deadline = time.monotonic() + 60
         while ls.solving and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ls.cfg.stripe_robot_load == ls.calibration.load["robot"]
+        assert ls.cfg.stripe_robot_load == ls.calibration.factor(st.cfg, "robot")
         # A re-plan bounds the robot's time spent solving: the next waits
         # (1 / replan_cpu_share - 1) times as long as this one took.
         assert ls.next_solve_at > time.monotonic()
-        ls.calibration.load["robot"] *= 2
+        ls.calibration.total["robot"] *= 2
         assert backend.lop_state(x) is ls and not ls.solving
-        assert ls.cfg.stripe_robot_load != ls.calibration.load["robot"]
+        assert ls.cfg.stripe_robot_load != ls.calibration.factor(st.cfg, "robot")
         ls.next_solve_at = 0.0
         backend.lop_state(x)
         deadline = time.monotonic() + 60
         while ls.solving and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ls.cfg.stripe_robot_load == ls.calibration.load["robot"]
+        assert ls.cfg.stripe_robot_load == ls.calibration.factor(st.cfg, "robot")
     finally:
         client.close()

@@ -72,36 +72,64 @@ class StripeCalibration:
     and only scale the stripes, so the schedules are solved again with the split moved
     toward the side that is faster than predicted. The median of the last ``window``
     ratios of a side is folded in once it is more than ``threshold`` away from 1, after
-    ``min_samples`` frames of the current schedules."""
+    ``min_samples`` frames of the current schedules.
+
+    What is kept is the whole multiple (``total``: a side's measured stripe time over the
+    profile's, whatever part of it the drift tracker's load factor explains), and a plan's
+    stripe factor is that multiple over the side's load factor of the moment. Keeping only
+    the factor on top of the load factor counted the server's speed twice on a machine
+    with no saved server times (docs/bench/lop-all11): lop's first spatial frames ran
+    under the guess ``server_speedup`` = 10 and their stripe factor took the server's
+    real x5 (x4, its bound); layer partitions then measured the server, its load factor
+    became x5, and the stripes were predicted at x20. No spatial schedule came near a
+    layer partition after that, so none ran to correct it: AGRNav and KAPAO ran
+    layer_partition's frames on both traces."""
 
     def __init__(self, threshold: float = 0.15, window: int = 5, min_samples: int = 3,
                  bounds: Tuple[float, float] = (0.25, 4.0)):
         self.threshold, self.min_samples, self.bounds = threshold, min_samples, bounds
-        self.load = {"robot": 1.0, "server": 1.0}
-        self._ratios = {side: deque(maxlen=window) for side in self.load}
+        #: side -> measured stripe time / the profile's (None until a side is folded in)
+        self.total: Dict[str, Optional[float]] = {"robot": None, "server": None}
+        self._ratios = {side: deque(maxlen=window) for side in self.total}
+
+    @staticmethod
+    def _loads(cfg: PlannerConfig, side: str) -> Tuple[float, float]:
+        """(the side's load factor, its stripe factor) in ``cfg``."""
+        if side == "robot":
+            return cfg.robot_load, cfg.stripe_robot_load
+        return cfg.server_load, cfg.stripe_server_load
 
     def observe(self, side: str, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 1e-3 and math.isfinite(measured_s) and measured_s >= 0:
             self._ratios[side].append(measured_s / predicted_s)
 
-    def update(self) -> bool:
-        """Fold in the sides that moved; True when the schedules must be solved again
-        (the samples of both sides then start over: they were relative to these plans)."""
+    def update(self, solved: PlannerConfig) -> bool:
+        """Fold in the sides that moved, against ``solved`` (the configuration the observed
+        plans were predicted with); True when the schedules must be solved again (the
+        samples of both sides then start over: they were relative to these plans). The
+        stripe factor stays within ``bounds`` at each step."""
         moved = False
         for side, ratios in self._ratios.items():
             if len(ratios) >= self.min_samples:
                 m = statistics.median(ratios)
                 if abs(m - 1.0) > self.threshold:
+                    load, stripe = self._loads(solved, side)
                     lo, hi = self.bounds
-                    self.load[side] = min(hi, max(lo, self.load[side] * m))
+                    self.total[side] = load * min(hi, max(lo, stripe * m))
                     moved = True
         if moved:
             for ratios in self._ratios.values():
                 ratios.clear()
         return moved
 
+    def factor(self, cfg: PlannerConfig, side: str) -> float:
+        """The stripe factor of ``side`` under ``cfg``'s load factors."""
+        total = self.total[side]
+        return 1.0 if total is None else total / self._loads(cfg, side)[0]
+
     def apply(self, cfg: PlannerConfig) -> PlannerConfig:
-        return replace(cfg, stripe_robot_load=self.load["robot"], stripe_server_load=self.load["server"])
+        return replace(cfg, stripe_robot_load=self.factor(cfg, "robot"),
+                       stripe_server_load=self.factor(cfg, "server"))
 
 
 def _lowest_priority_for_this_thread() -> None:
@@ -471,10 +499,12 @@ class LopBackend(LayerPartitionBackend):
         """A warm spatial frame's stripe times against the plan's predictions."""
         ls.calibration.observe("robot", plan.robot_stripe_s, robot_stripe_s)
         ls.calibration.observe("server", plan.server_stripe_s, server_stripe_s)
-        if ls.calibration.update():
+        if ls.calibration.update(ls.cfg):
             self.replans += 1
-            log.info("lop: stripes measured off their predictions; solving again with robot x%.2f, "
-                     "server x%.2f", ls.calibration.load["robot"], ls.calibration.load["server"])
+            total = ls.calibration.total
+            log.info("lop: stripes measured off their predictions; solving again with them at "
+                     "robot x%s, server x%s of the profile",
+                     *("%.2f" % total[s] if total[s] is not None else "-" for s in ("robot", "server")))
 
     def _join_on_robot(self, ls: _LopState, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
                        first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
