@@ -814,6 +814,35 @@ def test_stripe_calibration_does_not_count_a_load_factor_twice():
     assert cal.apply(measured_load).stripe_robot_load == 1.0
 
 
+def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server, profile_dir):
+    """A spatial frame whose schedules were solved again while it ran (new load factors):
+    its stripe times were predicted under the old factors, so they are dropped, and a new
+    table starts the samples over; frames of the current table are folded in."""
+    client = _client(shared_server, "agrnav", profile_dir, partition_codecs=("raw",))
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=5)
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        plan = solve_grid(loss, 50e6, ls.cfg, spatial_only=True)
+        assert plan.spatial
+        plan = dataclasses.replace(plan, robot_stripe_s=0.05, server_stripe_s=0.03)   # timeable
+        stale = ls.cfg
+        ls.cfg = dataclasses.replace(stale, server_load=stale.server_load * 5)   # solved again
+        for _ in range(3):
+            backend._calibrate(ls, plan, stale, plan.robot_stripe_s * 3, plan.server_stripe_s * 6)
+        assert not ls.calibration.update(ls.cfg)
+        assert ls.calibration.total == {"robot": None, "server": None}
+        for _ in range(2):
+            backend._calibrate(ls, plan, ls.cfg, plan.robot_stripe_s, plan.server_stripe_s * 2)
+        ls.calibration.restart()                    # what swapping a new table in does
+        backend._calibrate(ls, plan, ls.cfg, plan.robot_stripe_s, plan.server_stripe_s * 2)
+        assert ls.calibration.total == {"robot": None, "server": None}
+        for _ in range(2):
+            backend._calibrate(ls, plan, ls.cfg, plan.robot_stripe_s, plan.server_stripe_s * 2)
+        assert ls.calibration.total["server"] == pytest.approx(2 * ls.cfg.server_load * ls.cfg.stripe_server_load)
+    finally:
+        client.close()
+
+
 def test_the_replan_thread_alone_runs_at_the_lowest_priority():
     from robot_offload.backends.lop import _lowest_priority_for_this_thread
     seen = {}

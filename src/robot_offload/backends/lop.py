@@ -99,6 +99,11 @@ class StripeCalibration:
             return cfg.robot_load, cfg.stripe_robot_load
         return cfg.server_load, cfg.stripe_server_load
 
+    def restart(self) -> None:
+        """Drop the samples: new plans were swapped in (their predictions use other factors)."""
+        for ratios in self._ratios.values():
+            ratios.clear()
+
     def observe(self, side: str, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 1e-3 and math.isfinite(measured_s) and measured_s >= 0:
             self._ratios[side].append(measured_s / predicted_s)
@@ -118,8 +123,7 @@ class StripeCalibration:
                     self.total[side] = load * min(hi, max(lo, stripe * m))
                     moved = True
         if moved:
-            for ratios in self._ratios.values():
-                ratios.clear()
+            self.restart()
         return moved
 
     def factor(self, cfg: PlannerConfig, side: str) -> float:
@@ -225,6 +229,7 @@ class LopBackend(LayerPartitionBackend):
             log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
                      self.ctx.spec.name, table.solve_s)
             ls.table, ls.cfg = table, cfg
+            ls.calibration.restart()    # its samples were stripes of the previous plans
         except Exception:  # noqa: BLE001 - a background re-plan must not kill the node
             if ls.table is None:
                 raise
@@ -356,6 +361,7 @@ class LopBackend(LayerPartitionBackend):
     def _run_spatial(self, x, ls: _LopState, plan: LopPlan, stats, timeout_s: float, bw: float,
                      observe_drift: bool = True):
         st = self.state(x)
+        solved = ls.cfg     # what this frame's stripes are predicted under (see _calibrate)
         sg = ls.spatial
         region, c1, c2 = self.region_of(sg, plan)
         link, cfg = self.ctx.link, self.ctx.config
@@ -406,7 +412,7 @@ class LopBackend(LayerPartitionBackend):
         if robot_joins:
             return self._join_on_robot(ls, plan, stats, region, c1, c2, first, mine, robot_rows,
                                       fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
-                                      observe_drift)
+                                      solved if observe_drift else None)
         b_parts = {}
         for name in region.outputs:
             upto = held_from(need_s, name, sg.rows(name))
@@ -461,7 +467,7 @@ class LopBackend(LayerPartitionBackend):
             if not plan.until:
                 st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
             # the stripe alone: B's encoding, which follows it, is predicted apart
-            self._calibrate(ls, plan, t_stripe - t_a, resp_a.server_compute_s)
+            self._calibrate(ls, plan, solved, t_stripe - t_a, resp_a.server_compute_s)
         stats.extra["lop"] = {
             "schedule": plan.describe(), "spatial": True, "share": plan.share,
             "first": c1.label, "last": c2.label, "codec": plan.codec,
@@ -495,8 +501,19 @@ class LopBackend(LayerPartitionBackend):
         with torch.inference_mode():
             return self.graph.tail_module(cut)(*tensors, *self.graph.static_values(cut, sg.metas))
 
-    def _calibrate(self, ls: _LopState, plan: LopPlan, robot_stripe_s: float, server_stripe_s: float) -> None:
-        """A warm spatial frame's stripe times against the plan's predictions."""
+    def _calibrate(self, ls: _LopState, plan: LopPlan, solved: PlannerConfig, robot_stripe_s: float,
+                   server_stripe_s: float) -> None:
+        """A warm spatial frame's stripe times against the plan's predictions, made under
+        ``solved``. Dropped when the schedules were solved again while the frame ran:
+        its ratio is to factors no longer in use, and folded in against the new ones it
+        would move the stripes by the change of the load factor as well. In the first run
+        with this module's anchored totals (VGG-19, no saved profile), stripes predicted
+        under the ``server_speedup`` guess measured about 6x that (102 ms for 56 % of the
+        rows); their samples were folded in after layer_partition's drift had put the
+        server's load factor at 4.8, against it, and set the stripes at 19.3x the profile
+        (the x4 bound on 4.8). No spatial schedule ran again above 10 Mbit/s."""
+        if solved is not ls.cfg:
+            return
         ls.calibration.observe("robot", plan.robot_stripe_s, robot_stripe_s)
         ls.calibration.observe("server", plan.server_stripe_s, server_stripe_s)
         if ls.calibration.update(ls.cfg):
@@ -508,7 +525,7 @@ class LopBackend(LayerPartitionBackend):
 
     def _join_on_robot(self, ls: _LopState, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
                        first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
-                       sent, observe: bool):
+                       sent, solved: Optional[PlannerConfig]):
         """The end of a frame whose rows the robot joins: the server's answer to A carries
         its rows of every ``c2`` tensor (see :mod:`~robot_offload.partition.lop_executor`);
         they go under the robot's own rows and the robot runs the tail after ``c2`` (when
@@ -541,8 +558,8 @@ class LopBackend(LayerPartitionBackend):
         t_join = time.perf_counter()
         y = self._tail_here(c2, joined, sg)
         t_end = time.perf_counter()
-        if observe:
-            self._calibrate(ls, plan, t_r - t_a, resp_a.server_compute_s)
+        if solved is not None:      # a warm frame
+            self._calibrate(ls, plan, solved, t_r - t_a, resp_a.server_compute_s)
         stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,
                        req_a.payload_bytes, resp_a.payload_bytes)
         stats.add_compute(max(t_r, t_a_done), t_end)
