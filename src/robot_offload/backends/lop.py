@@ -88,7 +88,8 @@ class StripeCalibration:
     def __init__(self, threshold: float = 0.15, window: int = 5, min_samples: int = 3,
                  bounds: Tuple[float, float] = (0.25, 4.0)):
         self.threshold, self.min_samples, self.bounds = threshold, min_samples, bounds
-        #: side -> measured stripe time / the profile's (None until a side is folded in)
+        #: side -> measured stripe time / the profile's (the server's: the robot's profiled
+        #: time / server_speedup, as LOSS predicts it); None until a side is folded in
         self.total: Dict[str, Optional[float]] = {"robot": None, "server": None}
         self._ratios = {side: deque(maxlen=window) for side in self.total}
 
