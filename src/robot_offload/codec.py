@@ -266,9 +266,9 @@ def _unshuffle_values(payload: bytes, numel: int, bits: int) -> np.ndarray:
 
 def _bitshuffle(payload: bytes, numel: int, bits: int) -> bytes:
     """Per block of BIT_BLOCK elements: element-major bits -> bit-plane-major bits (bit 0
-    of every element of the block, then bit 1, ...). Same length as ``payload``."""
-    if bits < 8:
-        return _shuffle_values(_unpack_bits(payload, numel, bits), bits)
+    of every element of the block, then bit 1, ...). Same length as ``payload``. The
+    encoder uses it for byte-wide elements; sub-byte values go through
+    :func:`_shuffle_values` (the same bytes, without packing them first)."""
     src = np.frombuffer(payload, dtype=np.uint8)
     out = np.empty_like(src)
     for _, n, b0, nb in _blocks(numel, bits):
@@ -278,8 +278,6 @@ def _bitshuffle(payload: bytes, numel: int, bits: int) -> bytes:
 
 
 def _bitunshuffle(payload: bytes, numel: int, bits: int) -> bytes:
-    if bits < 8:
-        return _pack_bits(_unshuffle_values(payload, numel, bits), bits)
     src = np.frombuffer(payload, dtype=np.uint8)
     out = np.empty_like(src)
     for _, n, b0, nb in _blocks(numel, bits):
