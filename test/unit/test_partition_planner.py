@@ -161,11 +161,17 @@ def test_measured_choice_settles_close_calls_by_measurement():
     plan, alt = table.plans[i], table.alternatives[i][0]
     m = MeasuredChoice(margin=10.0, every=4, window=3, min_samples=2)
     latency = {plan.cut_id: 0.050, alt.cut_id: 0.020}     # the alternative is really faster
-    ran = []
+    ran, reasons = [], []
     for _ in range(14):
         p, probe = m.choose(i, plan, [alt])
         ran.append(("alt" if p is alt else "plan", probe))
+        reasons.append(m.last["reason"])
         m.observe(i, p, latency[p.cut_id])
+    # each frame says why it ran what it ran, with the medians it was judged on
+    assert reasons[:4] == ["planned", "probe: fewer than min_samples", "probe: fewer than min_samples",
+                           "fastest measured"], reasons
+    assert reasons[7] == "probe: periodic", reasons
+    assert m.last["medians_ms"] == {plan.describe(): 50.0, alt.describe(): 20.0}, m.last
     # the plan first; the alternative as a probe (now the faster); the plan's second
     # sample as a probe; then the faster one, with a probe of the other every 4 frames
     assert ran == ([("plan", False), ("alt", True), ("plan", True)] + [("alt", False)] * 4

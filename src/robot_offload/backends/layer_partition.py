@@ -230,6 +230,8 @@ class LayerPartitionBackend(Backend):
         if st.measured is not None and sample:
             st.measured.observe(i, plan, time.perf_counter() - t0)
         stats.extra["partition"]["probe"] = probe
+        if st.measured is not None:
+            stats.extra["partition"]["choice"] = st.measured.last
         return y, plan
 
     def run_plan(self, x: torch.Tensor, plan: Plan, stats, timeout_s: float,

@@ -309,6 +309,8 @@ class LopBackend(LayerPartitionBackend):
         if warm and st.measured is not None:
             st.measured.observe(("lop", i), chosen, time.perf_counter() - t0)
         stats.extra["lop"]["probe"] = probe
+        if st.measured is not None:
+            stats.extra["lop"]["choice"] = st.measured.last
         return y
 
     def _sticky(self, ls: "_LopState", bw: float) -> LopPlan:

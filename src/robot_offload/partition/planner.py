@@ -402,6 +402,11 @@ class DriftTracker:
         return replace(cfg, robot_load=self.planned["robot"], server_load=self.planned["server"])
 
 
+def _describe(plan) -> str:
+    describe = getattr(plan, "describe", None)
+    return describe() if callable(describe) else str(plan.key)
+
+
 class MeasuredChoice:
     """Measured latency decides between the planned plan and its alternatives when the
     prediction cannot.
@@ -446,6 +451,10 @@ class MeasuredChoice:
         self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
         self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
         self.probes = 0
+        #: why the last :meth:`choose` picked what it did, for the frame's stats: ``reason``
+        #: (planned, lead, fewer samples, periodic probe, fastest measured) and the
+        #: candidates' measured medians in the bucket (ms; None before their first frame)
+        self.last: Dict[str, object] = {}
 
     def close_call(self, plan, alternative) -> bool:
         """``alternative`` is predicted within ``margin`` of ``plan``."""
@@ -545,13 +554,18 @@ class MeasuredChoice:
         """(the plan to run, whether it is a probe)."""
         alternatives = list(alternatives or ())
         lead = self.lead(bucket, plan, alternatives)
-        if lead is not plan:
+        led = lead is not plan
+        if led:
             alternatives, plan = [plan] + [a for a in alternatives if a is not lead], lead
         cands = {plan.key: plan}
         for a in alternatives:
             if self.candidate(bucket, plan, a):
                 cands.setdefault(a.key, a)
+        self.last = {"led": led, "medians_ms": {
+            _describe(c): (None if self.median_s(bucket, c) is None else round(self.median_s(bucket, c) * 1e3, 1))
+            for c in cands.values()}}
         if len(cands) == 1 or self.median_s(bucket, plan) is None:
+            self.last["reason"] = "lead" if led else "planned"
             return plan, False
         measured = [c for c in cands.values() if self.median_s(bucket, c) is not None]
         best = min(measured, key=lambda c: self.median_s(bucket, c))
@@ -561,11 +575,14 @@ class MeasuredChoice:
             self._since[bucket] = 0
             self.probes += 1
             if under:
+                self.last["reason"] = "probe: fewer than min_samples"
                 return under[0], True
             turn = self._turn.get(bucket, 0)
             self._turn[bucket] = turn + 1
+            self.last["reason"] = "probe: periodic"
             return others[turn % len(others)], True
         self._since[bucket] = self._since.get(bucket, 0) + 1
+        self.last["reason"] = "fastest measured"
         return best, False
 
     def observe(self, bucket, plan, latency_s: float) -> None:
