@@ -390,6 +390,17 @@ def test_grid_solver_matches_or_beats_differential_evolution(shared_server, prof
                 g = solve_grid(loss, b, cfg)
                 key = (lambda q: q.latency_s) if objective == "latency" else (lambda q: q.energy_j)
                 assert key(p) == pytest.approx(key(g), rel=1e-9), (b, p.describe(), g.describe())
+        # ... and with a region's own stripe factors (a measured region, see
+        # StripeCalibration), which its schedules alone are predicted with.
+        c0 = loss.candidates()[0]
+        own = dataclasses.replace(cfg, objective="latency",
+                                  stripe_region_loads=((c0.first.id, c0.last.id, 0.3, 0.2),))
+        for b, p in zip(own.buckets, solve_buckets(loss, own)):
+            assert p.latency_s == pytest.approx(solve_grid(loss, b, own).latency_s, rel=1e-9)
+        enc0 = encodings_for(loss.profile, c0, own)[0][0]
+        assert (predict(loss.profile, c0, enc0, 20e6, own).robot_stripe_s
+                == pytest.approx(0.3 / cfg.stripe_robot_load
+                                 * predict(loss.profile, c0, enc0, 20e6, cfg).robot_stripe_s))
         # Every spatial schedule carries the fixed cost of a spatial frame
         # (spatial_overhead_s): predicted exactly that much slower, and under a large one
         # LOSS keeps the layer partitions everywhere.
@@ -773,21 +784,30 @@ def test_plan_switching_has_hysteresis():
     assert pick(1.2e6) is ls.table.plans[0]
 
 
+R1 = ("input", "cut_a")          # two spatial regions, by first and last cut id
+R2 = ("cut_a", "cut_b")
+
+
 def test_stripe_calibration_folds_in_a_side_that_is_off_its_prediction():
     from robot_offload.backends.lop import StripeCalibration
     cal = StripeCalibration(threshold=0.15, window=5, min_samples=3)
     solved = PlannerConfig()
     for measured in (1.3, 1.5, 1.4):
         assert not cal.update(solved)
-        cal.observe("robot", 1.0, measured)
-        cal.observe("server", 0.5, 0.52)           # within the threshold: kept
+        cal.observe(R1, "robot", 1.0, measured)
+        cal.observe(R1, "server", 0.5, 0.52)           # within the threshold: kept
     assert cal.update(solved)
     assert cal.total == {"robot": pytest.approx(1.4), "server": None}
+    assert cal.regions == {R1: {"robot": pytest.approx(1.4), "server": None}}
     assert not cal.update(solved)                    # samples start over with the new plans
-    cal.observe("robot", 1.0, 0.0)
-    cal.observe("robot", 0.0, 5.0)                   # no prediction: ignored
+    cal.observe(R1, "robot", 1.0, 0.0)
+    cal.observe(R1, "robot", 0.0, 5.0)               # no prediction: ignored
     cfg = cal.apply(PlannerConfig())
+    assert cfg.stripe_region_loads == ((*R1, pytest.approx(1.4), 1.0),)
+    assert cfg.stripe_loads(*R1) == (pytest.approx(1.4), 1.0)
+    # another region takes the multiple measured, being above the load factor
     assert (cfg.stripe_robot_load, cfg.stripe_server_load) == (pytest.approx(1.4), 1.0)
+    assert cfg.stripe_loads(*R2) == (pytest.approx(1.4), 1.0)
 
 
 def test_stripe_calibration_does_not_count_a_load_factor_twice():
@@ -799,19 +819,44 @@ def test_stripe_calibration_does_not_count_a_load_factor_twice():
     cal = StripeCalibration(threshold=0.15, window=5, min_samples=3, bounds=(0.25, 4.0))
     solved = cal.apply(PlannerConfig())
     for _ in range(3):
-        cal.observe("server", 0.1, 0.5)
+        cal.observe(R1, "server", 0.1, 0.5)
     assert cal.update(solved)
-    assert cal.apply(PlannerConfig()).stripe_server_load == pytest.approx(4.0)
+    assert cal.apply(PlannerConfig()).stripe_loads(*R1)[1] == pytest.approx(4.0)
     measured_load = dataclasses.replace(PlannerConfig(), server_load=5.0)
     solved = cal.apply(measured_load)
-    assert solved.stripe_server_load == pytest.approx(0.8)
-    assert solved.server_load * solved.stripe_server_load == pytest.approx(4.0)
+    assert solved.stripe_loads(*R1)[1] == pytest.approx(0.8)
+    assert solved.server_load * solved.stripe_loads(*R1)[1] == pytest.approx(4.0)
     for _ in range(3):                                   # predicted x4, measured x5
-        cal.observe("server", 0.4, 0.5)
+        cal.observe(R1, "server", 0.4, 0.5)
     assert cal.update(solved)
-    assert cal.total["server"] == pytest.approx(5.0)
-    assert cal.apply(measured_load).stripe_server_load == pytest.approx(1.0)
-    assert cal.apply(measured_load).stripe_robot_load == 1.0
+    assert cal.regions[R1]["server"] == pytest.approx(5.0)
+    assert cal.apply(measured_load).stripe_loads(*R1) == (1.0, pytest.approx(1.0))
+
+
+def test_stripe_calibration_is_kept_per_region():
+    """A region's stripes are predicted with its own measured multiple; a region that has
+    not run takes the last one measured only where that is above the load factor, so a
+    stripe measured faster than the load factor says (or clamped at the bound while the
+    load factor was a guess) never makes untried regions look faster than it."""
+    from robot_offload.backends.lop import StripeCalibration
+    cal = StripeCalibration(threshold=0.15, window=5, min_samples=3, bounds=(0.25, 4.0))
+    solved = cal.apply(PlannerConfig())
+    for _ in range(3):
+        cal.observe(R1, "server", 0.1, 0.5)              # x5, clamped at x4
+        cal.observe(R1, "robot", 1.0, 0.7)               # the robot's stripe x0.7
+    assert cal.update(solved)
+    loaded = cal.apply(dataclasses.replace(PlannerConfig(), server_load=5.0))
+    assert loaded.stripe_loads(*R1) == (pytest.approx(0.7), pytest.approx(0.8))
+    assert loaded.stripe_loads(*R2) == (1.0, 1.0)        # neither below its load factor
+    for _ in range(3):
+        cal.observe(R2, "robot", 1.0, 2.0)
+    assert cal.update(loaded)
+    again = cal.apply(loaded)
+    assert again.stripe_loads(*R2) == (pytest.approx(2.0), 1.0)
+    assert again.stripe_loads(*R1) == (pytest.approx(0.7), pytest.approx(0.8))   # its own
+    assert again.stripe_loads("x", "y") == (pytest.approx(2.0), 1.0)   # the last, above 1
+    with pytest.raises(ConfigError):
+        dataclasses.replace(PlannerConfig(), stripe_region_loads=(("a", "b", 0.0, 1.0),)).validate()
 
 
 def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server, profile_dir):
@@ -825,6 +870,7 @@ def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server
         plan = solve_grid(loss, 50e6, ls.cfg, spatial_only=True)
         assert plan.spatial
         plan = dataclasses.replace(plan, robot_stripe_s=0.05, server_stripe_s=0.03)   # timeable
+        _, c1, c2 = backend.region_of(ls.spatial, plan)
         stale = ls.cfg
         ls.cfg = dataclasses.replace(stale, server_load=stale.server_load * 5)   # solved again
         for _ in range(3):
@@ -838,7 +884,9 @@ def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server
         assert ls.calibration.total == {"robot": None, "server": None}
         for _ in range(2):
             backend._calibrate(ls, plan, ls.cfg, plan.robot_stripe_s, plan.server_stripe_s * 2)
-        assert ls.calibration.total["server"] == pytest.approx(2 * ls.cfg.server_load * ls.cfg.stripe_server_load)
+        stripe = ls.cfg.stripe_loads(c1.id, c2.id)[1]
+        assert ls.calibration.regions[(c1.id, c2.id)]["server"] == pytest.approx(
+            2 * ls.cfg.server_load * stripe)
     finally:
         client.close()
 
@@ -877,24 +925,26 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
         for _ in range(3):
             y = backend.run_schedule(x, plan, FrameStats(), 120)
             _assert_same_outputs(y, ref, "agrnav")
-        assert ls.calibration.factor(st.cfg, "robot") > 2.0
+        _, c1, c2 = backend.region_of(ls.spatial, plan)
+        region = (c1.id, c2.id)
+        assert ls.calibration.factor(st.cfg, "robot", region) > 2.0
         backend.replan_cpu_share = 0.01               # a hold-off of 99x the solve's time
         ls = backend.lop_state(x)                     # starts the re-solve
         deadline = time.monotonic() + 60
         while ls.solving and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ls.cfg.stripe_robot_load == ls.calibration.factor(st.cfg, "robot")
+        assert ls.cfg.stripe_loads(*region)[0] == ls.calibration.factor(st.cfg, "robot", region)
         # A re-plan bounds the robot's time spent solving: the next waits
         # (1 / replan_cpu_share - 1) times as long as this one took.
         assert ls.next_solve_at > time.monotonic()
-        ls.calibration.total["robot"] *= 2
+        ls.calibration.regions[region]["robot"] *= 2
         assert backend.lop_state(x) is ls and not ls.solving
-        assert ls.cfg.stripe_robot_load != ls.calibration.factor(st.cfg, "robot")
+        assert ls.cfg.stripe_loads(*region)[0] != ls.calibration.factor(st.cfg, "robot", region)
         ls.next_solve_at = 0.0
         backend.lop_state(x)
         deadline = time.monotonic() + 60
         while ls.solving and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ls.cfg.stripe_robot_load == ls.calibration.factor(st.cfg, "robot")
+        assert ls.cfg.stripe_loads(*region)[0] == ls.calibration.factor(st.cfg, "robot", region)
     finally:
         client.close()

@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 
 
 class StripeCalibration:
-    """Measured / predicted time of the stripes that spatial frames run, per side, folded
-    into the plans' ``stripe_robot_load`` / ``stripe_server_load``.
+    """Measured / predicted time of the stripes that spatial frames run, per region and
+    side, folded into the plans' stripe factors (:attr:`PlannerConfig.stripe_region_loads`
+    for the regions measured, ``stripe_robot_load`` / ``stripe_server_load`` for the rest).
 
     A stripe's prediction is the profile's node times scaled by the rows each side
     computes. It misses what a slab costs beyond its share of rows (new slab shapes for
@@ -71,8 +72,8 @@ class StripeCalibration:
     load factors of the drift tracker (which layer partitions share; see ``_run_spatial``)
     and only scale the stripes, so the schedules are solved again with the split moved
     toward the side that is faster than predicted. The median of the last ``window``
-    ratios of a side is folded in once it is more than ``threshold`` away from 1, after
-    ``min_samples`` frames of the current schedules.
+    ratios of a region's side is folded in once it is more than ``threshold`` away from 1,
+    after ``min_samples`` frames of the current schedules.
 
     What is kept is the whole multiple (``total``: a side's measured stripe time over the
     profile's, whatever part of it the drift tracker's load factor explains), and a plan's
@@ -81,60 +82,88 @@ class StripeCalibration:
     with no saved server times (docs/bench/lop-all11): lop's first spatial frames ran
     under the guess ``server_speedup`` = 10 and their stripe factor took the server's
     real x5 (x4, its bound); layer partitions then measured the server, its load factor
-    became x5, and the stripes were predicted at x20. No spatial schedule came near a
-    layer partition after that, so none ran to correct it: AGRNav and KAPAO ran
-    layer_partition's frames on both traces."""
+    became x5, and the stripes were predicted at x20. No spatial schedule ran again above
+    10 Mbit/s.
+
+    The multiple is kept per region (first and last cut), because what a slab costs
+    beyond its rows depends on the region's operators and how thin its stripes are. A
+    region whose stripes never ran takes the last multiple measured anywhere, but only
+    where it is above the load factor (a stripe is assumed to cost at least its rows'
+    share of the layer): one below it would make untried regions look faster than the
+    measured one. With a single pooled factor, KAPAO with no saved profile
+    (docs/bench/kdiag2) had its server stripes folded in at x4 (the bound, while the load
+    factor was still the guess); once layer partitions put the server at x5, every
+    region's server stripes were predicted at 0.8 of the server's speed, LOSS chose a
+    region covering nearly the whole model on the server (predicted 252 ms, like a full
+    offload measured at 470), and its measured error ruled spatial schedules out for the
+    whole indoor trace."""
 
     def __init__(self, threshold: float = 0.15, window: int = 5, min_samples: int = 3,
                  bounds: Tuple[float, float] = (0.25, 4.0)):
-        self.threshold, self.min_samples, self.bounds = threshold, min_samples, bounds
-        #: side -> measured stripe time / the profile's (the server's: the robot's profiled
-        #: time / server_speedup, as LOSS predicts it); None until a side is folded in
+        self.threshold, self.window, self.min_samples, self.bounds = (threshold, window,
+                                                                      min_samples, bounds)
+        #: side -> the last multiple folded in, any region (measured stripe time / the
+        #: profile's; the server's profile: the robot's time / server_speedup, as LOSS
+        #: predicts it); None until a side is folded in
         self.total: Dict[str, Optional[float]] = {"robot": None, "server": None}
-        self._ratios = {side: deque(maxlen=window) for side in self.total}
+        #: (first cut id, last cut id) -> side -> that region's own multiple
+        self.regions: Dict[Tuple[str, str], Dict[str, Optional[float]]] = {}
+        self._ratios: Dict[Tuple[Tuple[str, str], str], deque] = {}
 
     @staticmethod
-    def _loads(cfg: PlannerConfig, side: str) -> Tuple[float, float]:
-        """(the side's load factor, its stripe factor) in ``cfg``."""
+    def _loads(cfg: PlannerConfig, side: str, region: Tuple[str, str]) -> Tuple[float, float]:
+        """(the side's load factor, the region's stripe factor) in ``cfg``."""
+        robot, server = cfg.stripe_loads(*region)
         if side == "robot":
-            return cfg.robot_load, cfg.stripe_robot_load
-        return cfg.server_load, cfg.stripe_server_load
+            return cfg.robot_load, robot
+        return cfg.server_load, server
 
     def restart(self) -> None:
         """Drop the samples: new plans were swapped in (their predictions use other factors)."""
-        for ratios in self._ratios.values():
-            ratios.clear()
+        self._ratios.clear()
 
-    def observe(self, side: str, predicted_s: float, measured_s: float) -> None:
+    def observe(self, region: Tuple[str, str], side: str, predicted_s: float, measured_s: float) -> None:
+        """A stripe of ``region`` (first and last cut id) on ``side``."""
         if predicted_s > 1e-3 and math.isfinite(measured_s) and measured_s >= 0:
-            self._ratios[side].append(measured_s / predicted_s)
+            self._ratios.setdefault((region, side), deque(maxlen=self.window)).append(
+                measured_s / predicted_s)
 
     def update(self, solved: PlannerConfig) -> bool:
-        """Fold in the sides that moved, against ``solved`` (the configuration the observed
-        plans were predicted with); True when the schedules must be solved again (the
-        samples of both sides then start over: they were relative to these plans). The
-        stripe factor stays within ``bounds`` at each step."""
+        """Fold in the region sides that moved, against ``solved`` (the configuration the
+        observed plans were predicted with); True when the schedules must be solved again
+        (the samples then start over: they were relative to these plans). The stripe factor
+        stays within ``bounds`` at each step."""
         moved = False
-        for side, ratios in self._ratios.items():
+        for (region, side), ratios in self._ratios.items():
             if len(ratios) >= self.min_samples:
                 m = statistics.median(ratios)
                 if abs(m - 1.0) > self.threshold:
-                    load, stripe = self._loads(solved, side)
+                    load, stripe = self._loads(solved, side, region)
                     lo, hi = self.bounds
-                    self.total[side] = load * min(hi, max(lo, stripe * m))
+                    total = load * min(hi, max(lo, stripe * m))
+                    self.regions.setdefault(region, {"robot": None, "server": None})[side] = total
+                    self.total[side] = total
                     moved = True
         if moved:
             self.restart()
         return moved
 
-    def factor(self, cfg: PlannerConfig, side: str) -> float:
-        """The stripe factor of ``side`` under ``cfg``'s load factors."""
-        total = self.total[side]
-        return 1.0 if total is None else total / self._loads(cfg, side)[0]
+    def factor(self, cfg: PlannerConfig, side: str, region: Optional[Tuple[str, str]] = None) -> float:
+        """The stripe factor of ``side`` under ``cfg``'s load factors: ``region``'s own
+        when its stripes were measured, else the last measured anywhere, not below 1."""
+        load = cfg.robot_load if side == "robot" else cfg.server_load
+        own = self.regions.get(region, {}).get(side) if region is not None else None
+        if own is not None:
+            return own / load
+        pooled = self.total[side]
+        return 1.0 if pooled is None else max(1.0, pooled / load)
 
     def apply(self, cfg: PlannerConfig) -> PlannerConfig:
+        own = tuple((first, last, self.factor(cfg, "robot", (first, last)),
+                     self.factor(cfg, "server", (first, last)))
+                    for first, last in sorted(self.regions))
         return replace(cfg, stripe_robot_load=self.factor(cfg, "robot"),
-                       stripe_server_load=self.factor(cfg, "server"))
+                       stripe_server_load=self.factor(cfg, "server"), stripe_region_loads=own)
 
 
 def _lowest_priority_for_this_thread() -> None:
@@ -227,8 +256,10 @@ class LopBackend(LayerPartitionBackend):
             directory = self.ctx.config.profile_dir or DEFAULT_PROFILE_DIR
             table = load_or_solve(directory, lambda: loss, st.profile, cfg, self.share_steps,
                                   cached=cached)
-            log.info("lop: %d schedules for %s solved in %.2f s", len(table.plans),
-                     self.ctx.spec.name, table.solve_s)
+            log.info("lop: %d schedules for %s solved in %.2f s (load robot x%.2f, server "
+                     "x%.2f; stripes x%.2f, x%.2f, %d regions measured)", len(table.plans),
+                     self.ctx.spec.name, table.solve_s, cfg.robot_load, cfg.server_load,
+                     cfg.stripe_robot_load, cfg.stripe_server_load, len(cfg.stripe_region_loads))
             ls.table, ls.cfg = table, cfg
             ls.calibration.restart()    # its samples were stripes of the previous plans
         except Exception:  # noqa: BLE001 - a background re-plan must not kill the node
@@ -517,14 +548,15 @@ class LopBackend(LayerPartitionBackend):
         (the x4 bound on 4.8). No spatial schedule ran again above 10 Mbit/s."""
         if solved is not ls.cfg:
             return
-        ls.calibration.observe("robot", plan.robot_stripe_s, robot_stripe_s)
-        ls.calibration.observe("server", plan.server_stripe_s, server_stripe_s)
+        _, c1, c2 = self.region_of(ls.spatial, plan)
+        ls.calibration.observe((c1.id, c2.id), "robot", plan.robot_stripe_s, robot_stripe_s)
+        ls.calibration.observe((c1.id, c2.id), "server", plan.server_stripe_s, server_stripe_s)
         if ls.calibration.update(ls.cfg):
             self.replans += 1
-            total = ls.calibration.total
-            log.info("lop: stripes measured off their predictions; solving again with them at "
-                     "robot x%s, server x%s of the profile",
-                     *("%.2f" % total[s] if total[s] is not None else "-" for s in ("robot", "server")))
+            total = ls.calibration.regions.get((c1.id, c2.id), {})
+            log.info("lop: stripes of %s -> %s measured off their predictions; solving again "
+                     "with them at robot x%s, server x%s of the profile", c1.label, c2.label,
+                     *("%.2f" % total[s] if total.get(s) is not None else "-" for s in ("robot", "server")))
 
     def _join_on_robot(self, ls: _LopState, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
                        first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,

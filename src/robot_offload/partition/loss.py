@@ -433,8 +433,9 @@ def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: flo
     enc_b = r * c.b_raw_bytes * _enc_s_per_byte(cand.last, encoding)
     head = r * (cand.first.head_s if cand.first.kind != INPUT_CUT else 0.0)
     a_sent = head + enc_a + a_bytes * 8.0 / bandwidth_bps
-    robot_stripe = r * cfg.stripe_robot_load * c.robot_s
-    server_stripe = v * cfg.stripe_server_load * c.server_robot_s / cfg.server_speedup
+    stripe_r, stripe_v = cfg.stripe_loads(cand.first.id, cand.last.id)
+    robot_stripe = r * stripe_r * c.robot_s
+    server_stripe = v * stripe_v * c.server_robot_s / cfg.server_speedup
     robot = head + enc_a + robot_stripe + enc_b
     s_ready = a_sent + cfg.rtt_s / 2 + server_stripe
     b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
@@ -575,8 +576,9 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     r, v = cfg.robot_load, cfg.server_load
     a_raw = np.array([c.cost.a_raw_bytes for c in cands])[:, None]
     b_raw = np.array([c.cost.b_raw_bytes for c in cands])[:, None]
-    robot_s = cfg.stripe_robot_load * np.array([c.cost.robot_s for c in cands])[:, None]
-    srv_s = cfg.stripe_server_load * np.array([c.cost.server_robot_s for c in cands])[:, None]
+    stripe = np.array([cfg.stripe_loads(c.first.id, c.last.id) for c in cands])    # (c, 2)
+    robot_s = (stripe[:, 0] * np.array([c.cost.robot_s for c in cands]))[:, None]
+    srv_s = (stripe[:, 1] * np.array([c.cost.server_robot_s for c in cands]))[:, None]
     head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
     joins = np.array([c.robot_joins for c in cands])[:, None, None]
     has_until = np.array([c.until is not None for c in cands])[:, None]

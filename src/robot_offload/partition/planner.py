@@ -77,6 +77,9 @@ class PlannerConfig:
     server_load: float = 1.0            # measured / estimated server time
     stripe_robot_load: float = 1.0      # lop: measured / predicted stripe times, on top of
     stripe_server_load: float = 1.0     # the load factors (see backends.lop.StripeCalibration)
+    #: lop: (first cut id, last cut id, robot, server) stripe factors of the regions whose
+    #: own stripes were measured; the two above serve every other region
+    stripe_region_loads: Tuple[Tuple[str, str, float, float], ...] = ()
     tie_margin: float = 0.01            # objectives within this fraction of the best are
                                         # equal: the lowest profiled error among them wins
     spatial_overhead_s: float = 0.005   # lop: what a spatial frame costs beyond its modelled
@@ -90,7 +93,8 @@ class PlannerConfig:
         if not self.server_speedup > 0 or not self.rtt_s >= 0:
             raise ConfigError("server_speedup must be > 0 and rtt_s >= 0")
         if not (self.robot_load > 0 and self.server_load > 0 and self.stripe_robot_load > 0
-                and self.stripe_server_load > 0):
+                and self.stripe_server_load > 0
+                and all(r > 0 and v > 0 for _, _, r, v in self.stripe_region_loads)):
             raise ConfigError("load factors must be > 0")
         if not 0 <= self.tie_margin < 1:
             raise ConfigError("tie_margin must be in [0, 1)")
@@ -102,6 +106,14 @@ class PlannerConfig:
         if not b or any(not v > 0 for v in b) or b != sorted(b):
             raise ConfigError("buckets must be increasing positive bandwidths")
         return self
+
+    def stripe_loads(self, first_id: str, last_id: str) -> Tuple[float, float]:
+        """(robot, server) stripe factors of the spatial region from cut ``first_id`` to
+        cut ``last_id``: its own, if its stripes were measured, else the general ones."""
+        for first, last, robot, server in self.stripe_region_loads:
+            if first == first_id and last == last_id:
+                return robot, server
+        return self.stripe_robot_load, self.stripe_server_load
 
 
 @dataclass(frozen=True)
