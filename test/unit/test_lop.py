@@ -891,6 +891,42 @@ def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server
         client.close()
 
 
+def test_a_new_table_forgets_the_spatial_schedules_prediction_errors(shared_server, profile_dir):
+    """The measured choice's measured / predicted ratios of spatial schedules are relative
+    to the table that predicted them: the first frame after a new table is swapped in
+    drops them (the layer partitions' stay: their predictions did not change), so a
+    schedule measured against predictions made under a stale load factor is not ruled
+    out by them."""
+    from collections import deque
+    client = _client(shared_server, "agrnav", profile_dir, partition_codecs=("raw",))
+    try:
+        backend, x, ref, ls, st = _planned(client, seed=5)
+        assert st.measured is not None
+        loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+        spatial = solve_grid(loss, 50e6, ls.cfg, spatial_only=True)
+        assert spatial.spatial
+        ls.table = LopTable(ls.table.buckets, [spatial] * len(ls.table.buckets), 0.0)
+        lp_key = st.table.plans[0].key
+        stats = FrameStats()
+        stats.predicted_bandwidth_bps = spatial.bandwidth_bps
+        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        st.measured._error[spatial.key] = deque([3.0, 3.0])
+        st.measured._error[lp_key] = deque([2.0, 2.0])
+        stats = FrameStats()
+        stats.predicted_bandwidth_bps = spatial.bandwidth_bps
+        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        assert list(st.measured._error[spatial.key])[:2] == [3.0, 3.0]   # the same table
+        ls.table = LopTable(ls.table.buckets, list(ls.table.plans), 0.0)   # a re-plan's
+        ls.cfg = ls.calibration.apply(st.cfg)          # as solved: no re-plan starts
+        stats = FrameStats()
+        stats.predicted_bandwidth_bps = spatial.bandwidth_bps
+        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        assert 3.0 not in st.measured._error.get(spatial.key, ())
+        assert list(st.measured._error[lp_key])[:2] == [2.0, 2.0]   # (+ this frame's, if it ran)
+    finally:
+        client.close()
+
+
 def test_the_replan_thread_alone_runs_at_the_lowest_priority():
     from robot_offload.backends.lop import _lowest_priority_for_this_thread
     seen = {}

@@ -503,6 +503,29 @@ def test_near_ties_go_to_the_lower_error():
         PlannerConfig(tie_margin=1.0).validate()
 
 
+def test_measured_choice_forgets_errors_against_predictions_made_again():
+    """A plan measured at 3x a prediction made under stale factors leads nowhere; once the
+    predictions are made again (re-plan) and its errors forgotten, it leads again in a
+    bucket where it has not run, and its measured latencies are kept."""
+    _table, i, j, plan_i, plan_j, alt_i, alt_j = _two_buckets_sharing_plans()
+    alt_error = plan_j.latency_s / alt_j.latency_s
+    truth = {plan_i.key: 3.0, alt_i.key: alt_error}
+    m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2, known_margin=0.10)
+    for _ in range(6):
+        p, _probe = m.choose(i, plan_i, [alt_i])
+        m.observe(i, p, p.latency_s * truth[p.key])
+    assert m.lead(j, plan_j, [alt_j]) is alt_j
+    before = m.median_s(i, plan_i)
+    m.forget_errors(lambda key: False)
+    assert m.lead(j, plan_j, [alt_j]) is alt_j
+    m.forget_errors(lambda key: key == plan_i.key)      # the plan was predicted anew
+    assert m.lead(j, plan_j, [alt_j]) is plan_j
+    assert m.corrected_s(plan_j) is None and m.corrected_s(alt_j) is not None
+    assert m.median_s(i, plan_i) == before
+    m.forget_errors()
+    assert m.corrected_s(alt_j) is None
+
+
 def test_measured_choice_leads_a_new_bucket_with_the_fastest_corrected_prediction():
     """A plan that measured far slower than predicted, against an alternative that measured
     as predicted, does not run first in the next bucket: the alternative leads there (not a

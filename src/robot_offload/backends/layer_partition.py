@@ -190,6 +190,8 @@ class LayerPartitionBackend(Backend):
         st.tracker.accept()
         st.cfg = st.tracker.apply(st.cfg)
         st.table = PlanTable(st.profile, st.cfg)
+        if st.measured is not None:
+            st.measured.forget_errors()     # they were relative to the old predictions
         self.replans += 1
         log.info("layer_partition re-planned (robot x%.2f, server x%.2f)", st.cfg.robot_load,
                  st.cfg.server_load)

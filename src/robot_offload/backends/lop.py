@@ -196,6 +196,7 @@ class _LopState:
     solving: bool = False        # a re-plan is being solved in the background
     next_solve_at: float = 0.0   # time.monotonic() before which no re-plan starts
     current: Optional[Tuple] = None   # (table, bucket index, plan) in use (hysteresis)
+    judged: Optional[LopTable] = None  # the table the measured choice's errors are against
     calibration: StripeCalibration = field(default_factory=StripeCalibration)
 
 
@@ -314,6 +315,11 @@ class LopBackend(LayerPartitionBackend):
             return y
         i = ls.current[1]
         chosen, probe = plan, False
+        if st.measured is not None and ls.judged is not ls.table:
+            # a new table predicts the spatial schedules anew; done here, on the frame's
+            # thread, as the measured choice is not shared with the re-plan thread
+            st.measured.forget_errors(lambda key: len(key) > 2 and key[0] == "lop")
+            ls.judged = ls.table
         if st.measured is not None:
             # LOSS's spatial schedule against what layer_partition would consider in this
             # bucket: its plan and that plan's alternatives (the best plan at another cut,

@@ -597,6 +597,20 @@ class MeasuredChoice:
         self.last["reason"] = "fastest measured"
         return best, False
 
+    def forget_errors(self, which=None) -> None:
+        """The predictions were made again (new load or stripe factors): drop the measured /
+        predicted ratios of the plan keys ``which(key)`` selects (all by default), which
+        were relative to the old predictions. The measured latencies stay.
+
+        A plan keeps its key across re-plans while its prediction moves with the factors.
+        KAPAO's spatial schedule with no saved profile (docs/bench/kdiag3) was predicted at
+        106-206 ms under the speed-up guess and measured 320-390 ms; once the server's load
+        factor was measured, the same schedule was predicted at 295 ms, but the old ratios
+        (2-3x) corrected that to 800 ms and the layer partition led every bucket of the
+        indoor and outdoor traces."""
+        for key in [k for k in self._error if which is None or which(k)]:
+            del self._error[key]
+
     def observe(self, bucket, plan, latency_s: float) -> None:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
         more than infer, e.g. the one that measured the profile)."""
