@@ -671,24 +671,28 @@ def test_measured_choice_between_a_spatial_schedule_and_the_layer_partition(shar
         client.close()
 
 
-def test_spatial_frames_do_not_feed_the_drift_tracker(shared_server, profile_dir):
+def test_spatial_frames_feed_the_drift_tracker_only_after_the_join(shared_server, profile_dir):
     """A stripe's prediction (node times scaled by rows) misses per-node costs, so its
     measured / predicted ratio says more about the stripe than about the device's load;
     fed to the tracker it raised lop's load factors until its layer partitions left the
-    robot. Spatial frames leave the tracker alone; a layer-partition frame of lop does
-    feed it."""
+    robot. Spatial frames feed the tracker only with the whole layers after the join (here
+    the server's tail; the robot computes nothing but its stripe); a layer-partition frame
+    of lop feeds it as layer partitioning does."""
     client = _client(shared_server, "vgg19", profile_dir, partition_codecs=("raw",),
                      probe_every=0, replan_threshold=1e9)
     try:
         backend, x, ref, ls, st = _planned(client, seed=6)
         loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
-        ls.table = LopTable((1e6,), [_spatial_plan(loss, st, i, 8)], 0.0)
+        plan = _spatial_plan(loss, st, i, 8)
+        assert not plan.robot_joins and not plan.until and plan.last_label != "outputs"
+        ls.table = LopTable((1e6,), [plan], 0.0)
         before = dict(st.tracker.samples)
         for _ in range(3):
             frame, = _frames_at(backend, x, ref, 1, 20e6, "spatial frames")
             assert frame.extra["lop"]["spatial"]
-        assert st.tracker.samples == before
+        assert st.tracker.samples["robot"] == before["robot"]
+        assert st.tracker.samples["server"] >= before["server"] + 2   # the warm frames' tails
         by_kind = {c.kind: c for c in st.profile.cuts}
         local = plan_for(st.profile, by_kind[OUTPUT_CUT].id, "raw/none", 20e6, st.cfg)
         frame = FrameStats()

@@ -20,9 +20,10 @@ bandwidth changes:
   last cut's tensors, the robot puts them under its own and runs the rest itself (one
   round trip; only the server's share of those tensors comes down).
 
-The layer-partition frames lop runs feed the same drift tracker as layer partitioning
-(spatial frames do not: their stripe predictions are biased, see ``_run_spatial``), and
-the schedules are solved again when the load factors move. A bucket's spatial schedule
+The layer-partition frames lop runs feed the same drift tracker as layer partitioning,
+and so do the whole layers of spatial frames (what runs after the join; their stripes do
+not: stripe predictions are biased, see ``_run_spatial``, and calibrate the stripes
+instead), and the schedules are solved again when the load factors move. A bucket's spatial schedule
 and what ``layer_partition`` would consider there (its plan, the best plan at another cut,
 all local, full offload) are timed against each other when their predictions are within
 ``probe_margin`` (layer_partition's measured choice; all local whatever its prediction),
@@ -450,7 +451,7 @@ class LopBackend(LayerPartitionBackend):
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
         t_stripe = time.perf_counter()
         if robot_joins:
-            return self._join_on_robot(ls, plan, stats, region, c1, c2, first, mine, robot_rows,
+            return self._join_on_robot(ls, st, plan, stats, region, c1, c2, first, mine, robot_rows,
                                       fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
                                       solved if observe_drift else None)
         b_parts = {}
@@ -497,15 +498,26 @@ class LopBackend(LayerPartitionBackend):
         # load. Fed to the tracker, that ratio raised the load factors of this backend
         # alone, and its re-plans moved its layer partitions, all local included, off the
         # robot (RegNetY at 100 Mbit/s: lop's layer partition a full offload predicted
-        # 54 ms, layer_partition's an all-local-like cut predicted 38 ms). Device drift
-        # still reaches the tracker through the layer-partition frames lop runs (its
-        # plans, the measured choice's probes); whether a spatial schedule pays is
-        # settled by its measured latency. The server's tail after the join is a whole
-        # tail, recorded as layer partitioning records it, once the schedule is warm
-        # (not when the server stopped at ``until``: that is not the whole tail).
+        # 54 ms, layer_partition's an all-local-like cut predicted 38 ms). Whether a
+        # spatial schedule pays is settled by its measured latency. What runs after the
+        # join is whole layers, though: the server's tail (to the outputs, recorded as
+        # layer partitioning records it, or to ``until``) and the robot's after
+        # ``until`` are drift samples like a layer partition's head and tail, once the
+        # schedule is warm. Without them a model whose every lop frame is spatial
+        # (KAPAO) kept the ``server_speedup`` guess as its load factor, and its
+        # schedules were predicted at 106-206 ms where they measured 320-390 ms.
         if observe_drift:
-            if not plan.until:
+            tail_s = st.profile.cut(c2.id).tail_s
+            drift = False
+            if plan.until:
+                until_s = st.profile.cut(self.cut_named(plan.until).id).tail_s
+                tail_s -= until_s
+                drift = st.tracker.observe("robot", until_s, t_end - t_tail)
+            else:
                 st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
+            drift |= st.tracker.observe("server", tail_s / st.cfg.server_speedup, resp_b.server_compute_s)
+            if drift:
+                self._replan(st)
             # the stripe alone: B's encoding, which follows it, is predicted apart
             self._calibrate(ls, plan, solved, t_stripe - t_a, resp_a.server_compute_s)
         stats.extra["lop"] = {
@@ -564,7 +576,7 @@ class LopBackend(LayerPartitionBackend):
                      "with them at robot x%s, server x%s of the profile", c1.label, c2.label,
                      *("%.2f" % total[s] if total.get(s) is not None else "-" for s in ("robot", "server")))
 
-    def _join_on_robot(self, ls: _LopState, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
+    def _join_on_robot(self, ls: _LopState, st, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
                        first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
                        sent, solved: Optional[PlannerConfig]):
         """The end of a frame whose rows the robot joins: the server's answer to A carries
@@ -600,6 +612,9 @@ class LopBackend(LayerPartitionBackend):
         y = self._tail_here(c2, joined, sg)
         t_end = time.perf_counter()
         if solved is not None:      # a warm frame
+            if c2.kind != OUTPUT_CUT and st.tracker.observe("robot", st.profile.cut(c2.id).tail_s,
+                                                            t_end - t_join):
+                self._replan(st)    # the robot's tail is whole layers (see _run_spatial)
             self._calibrate(ls, plan, solved, t_r - t_a, resp_a.server_compute_s)
         stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,
                        req_a.payload_bytes, resp_a.payload_bytes)
