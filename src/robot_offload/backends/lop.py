@@ -92,7 +92,7 @@ class StripeCalibration:
     where it is above the load factor (a stripe is assumed to cost at least its rows'
     share of the layer): one below it would make untried regions look faster than the
     measured one. With a single pooled factor, KAPAO with no saved profile
-    (docs/bench/kdiag2) had its server stripes folded in at x4 (the bound, while the load
+    (a KAPAO-only run) had its server stripes folded in at x4 (the bound, while the load
     factor was still the guess); once layer partitions put the server at x5, every
     region's server stripes were predicted at 0.8 of the server's speed, LOSS chose a
     region covering nearly the whole model on the server (predicted 252 ms, like a full

@@ -603,7 +603,7 @@ class MeasuredChoice:
         were relative to the old predictions. The measured latencies stay.
 
         A plan keeps its key across re-plans while its prediction moves with the factors.
-        KAPAO's spatial schedule with no saved profile (docs/bench/kdiag3) was predicted at
+        KAPAO's spatial schedule with no saved profile (a KAPAO-only run) was predicted at
         106-206 ms under the speed-up guess and measured 320-390 ms; once the server's load
         factor was measured, the same schedule was predicted at 295 ms, but the old ratios
         (2-3x) corrected that to 800 ms and the layer partition led every bucket of the
