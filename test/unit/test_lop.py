@@ -895,12 +895,12 @@ def test_stripes_of_plans_solved_before_a_replan_are_not_folded_in(shared_server
         client.close()
 
 
-def test_a_new_table_forgets_the_spatial_schedules_prediction_errors(shared_server, profile_dir):
+def test_a_new_table_carries_the_spatial_schedules_prediction_errors_over(shared_server, profile_dir):
     """The measured choice's measured / predicted ratios of spatial schedules are relative
     to the table that predicted them: the first frame after a new table is swapped in
-    drops them (the layer partitions' stay: their predictions did not change), so a
-    schedule measured against predictions made under a stale load factor is not ruled
-    out by them."""
+    moves them onto the new predictions (the layer partitions' stay: their predictions
+    did not change), so a schedule measured against predictions made under a stale load
+    factor is not ruled out by them."""
     from collections import deque
     client = _client(shared_server, "agrnav", profile_dir, partition_codecs=("raw",))
     try:
@@ -920,12 +920,15 @@ def test_a_new_table_forgets_the_spatial_schedules_prediction_errors(shared_serv
         stats.predicted_bandwidth_bps = spatial.bandwidth_bps
         _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
         assert list(st.measured._error[spatial.key])[:2] == [3.0, 3.0]   # the same table
-        ls.table = LopTable(ls.table.buckets, list(ls.table.plans), 0.0)   # a re-plan's
+        # a re-plan's table, which predicts the same schedule 3x slower
+        again = dataclasses.replace(spatial, latency_s=3 * spatial.latency_s)
+        assert again.key == spatial.key
+        ls.table = LopTable(ls.table.buckets, [again] * len(ls.table.buckets), 0.0)
         ls.cfg = ls.calibration.apply(st.cfg)          # as solved: no re-plan starts
         stats = FrameStats()
         stats.predicted_bandwidth_bps = spatial.bandwidth_bps
         _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
-        assert 3.0 not in st.measured._error.get(spatial.key, ())
+        assert list(st.measured._error[spatial.key])[:2] == [pytest.approx(1.0)] * 2
         assert list(st.measured._error[lp_key])[:2] == [2.0, 2.0]   # (+ this frame's, if it ran)
     finally:
         client.close()

@@ -503,10 +503,11 @@ def test_near_ties_go_to_the_lower_error():
         PlannerConfig(tie_margin=1.0).validate()
 
 
-def test_measured_choice_forgets_errors_against_predictions_made_again():
-    """A plan measured at 3x a prediction made under stale factors leads nowhere; once the
-    predictions are made again (re-plan) and its errors forgotten, it leads again in a
-    bucket where it has not run, and its measured latencies are kept."""
+def test_measured_choice_carries_errors_onto_predictions_made_again():
+    """A plan measured at 3x a prediction made under stale factors leads nowhere; when a
+    re-plan predicts it at 3x, its ratios move onto the new prediction (1x) and it leads
+    again in a bucket where it has not run. A key the new table does not predict loses
+    its ratios; keys the old table did not predict keep theirs; latencies stay."""
     _table, i, j, plan_i, plan_j, alt_i, alt_j = _two_buckets_sharing_plans()
     alt_error = plan_j.latency_s / alt_j.latency_s
     truth = {plan_i.key: 3.0, alt_i.key: alt_error}
@@ -515,15 +516,14 @@ def test_measured_choice_forgets_errors_against_predictions_made_again():
         p, _probe = m.choose(i, plan_i, [alt_i])
         m.observe(i, p, p.latency_s * truth[p.key])
     assert m.lead(j, plan_j, [alt_j]) is alt_j
-    before = m.median_s(i, plan_i)
-    m.forget_errors(lambda key: False)
-    assert m.lead(j, plan_j, [alt_j]) is alt_j
-    m.forget_errors(lambda key: key == plan_i.key)      # the plan was predicted anew
+    assert m.corrected_s(plan_j) == pytest.approx(3.0 * plan_j.latency_s)
+    before, alt_before = m.median_s(i, plan_i), m.corrected_s(alt_j)
+    m.carry_errors({plan_i.key: {i: 1.0, j: 2.0}}, {plan_i.key: {i: 3.0, j: 6.0}})
+    assert m.corrected_s(plan_j) == pytest.approx(plan_j.latency_s)
     assert m.lead(j, plan_j, [alt_j]) is plan_j
-    assert m.corrected_s(plan_j) is None and m.corrected_s(alt_j) is not None
-    assert m.median_s(i, plan_i) == before
-    m.forget_errors()
-    assert m.corrected_s(alt_j) is None
+    assert m.corrected_s(alt_j) == alt_before and m.median_s(i, plan_i) == before
+    m.carry_errors({alt_i.key: {i: 1.0}}, {alt_i.key: {j: 1.0}})   # not in the same bucket
+    assert m.corrected_s(alt_j) is None and m.corrected_s(plan_j) is not None
 
 
 def test_measured_choice_leads_a_new_bucket_with_the_fastest_corrected_prediction():

@@ -189,9 +189,10 @@ class LayerPartitionBackend(Backend):
     def _replan(self, st: _ShapeState) -> None:
         st.tracker.accept()
         st.cfg = st.tracker.apply(st.cfg)
+        old = st.table
         st.table = PlanTable(st.profile, st.cfg)
-        if st.measured is not None:
-            st.measured.forget_errors()     # they were relative to the old predictions
+        if st.measured is not None:         # its errors were relative to the old predictions
+            st.measured.carry_errors(old.predictions(), st.table.predictions())
         self.replans += 1
         log.info("layer_partition re-planned (robot x%.2f, server x%.2f)", st.cfg.robot_load,
                  st.cfg.server_load)

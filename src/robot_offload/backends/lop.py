@@ -319,7 +319,8 @@ class LopBackend(LayerPartitionBackend):
         if st.measured is not None and ls.judged is not ls.table:
             # a new table predicts the spatial schedules anew; done here, on the frame's
             # thread, as the measured choice is not shared with the re-plan thread
-            st.measured.forget_errors(lambda key: len(key) > 2 and key[0] == "lop")
+            if ls.judged is not None:
+                st.measured.carry_errors(ls.judged.predictions(), ls.table.predictions())
             ls.judged = ls.table
         if st.measured is not None:
             # LOSS's spatial schedule against what layer_partition would consider in this

@@ -696,6 +696,15 @@ class LopTable:
         self.plans = plans
         self.solve_s = solve_s
 
+    def predictions(self) -> Dict[Tuple, Dict[int, float]]:
+        """Spatial schedule key -> {bucket index: predicted latency (s)} (see
+        :meth:`~robot_offload.partition.planner.MeasuredChoice.carry_errors`)."""
+        out: Dict[Tuple, Dict[int, float]] = {}
+        for i, p in enumerate(self.plans):
+            if p.spatial:
+                out.setdefault(p.key, {})[i] = p.latency_s
+        return out
+
     @classmethod
     def build(cls, loss: Loss, cfg: PlannerConfig) -> "LopTable":
         """Every bucket at once (:func:`solve_buckets`); the geometry of ``loss`` is reused,

@@ -360,6 +360,15 @@ class PlanTable:
         """Distinct cut ids over all buckets, in bucket order."""
         return list(dict.fromkeys(p.cut_id for p in self.plans))
 
+    def predictions(self) -> Dict[Tuple[str, str], Dict[int, float]]:
+        """Plan key -> {bucket index: predicted latency (s)}, plans and alternatives (what
+        :meth:`MeasuredChoice.carry_errors` compares across a re-plan)."""
+        out: Dict[Tuple[str, str], Dict[int, float]] = {}
+        for i, (p, alts) in enumerate(zip(self.plans, self.alternatives)):
+            for q in [p] + list(alts):
+                out.setdefault(q.key, {})[i] = q.latency_s
+        return out
+
     def rows(self) -> List[Dict]:
         """One dict per bucket, for logs and tables."""
         return [{"bandwidth_mbps": b / 1e6, "plan": p.describe(), "latency_ms": 1e3 * p.prediction.latency_s,
@@ -597,19 +606,30 @@ class MeasuredChoice:
         self.last["reason"] = "fastest measured"
         return best, False
 
-    def forget_errors(self, which=None) -> None:
-        """The predictions were made again (new load or stripe factors): drop the measured /
-        predicted ratios of the plan keys ``which(key)`` selects (all by default), which
-        were relative to the old predictions. The measured latencies stay.
+    def carry_errors(self, old: Dict[object, Dict[int, float]], new: Dict[object, Dict[int, float]]) -> None:
+        """The plans were predicted again (new load or stripe factors): ``old`` and ``new``
+        map plan keys to {bucket index: predicted latency} of the tables before and after.
+        The measured / predicted ratios of a key ``old`` predicted are moved onto the new
+        predictions (times the median old / new prediction over the buckets where both
+        predict it), or dropped where ``new`` does not predict it there; other keys' stay.
 
         A plan keeps its key across re-plans while its prediction moves with the factors.
         KAPAO's spatial schedule with no saved profile (a KAPAO-only run) was predicted at
         106-206 ms under the speed-up guess and measured 320-390 ms; once the server's load
         factor was measured, the same schedule was predicted at 295 ms, but the old ratios
         (2-3x) corrected that to 800 ms and the layer partition led every bucket of the
-        indoor and outdoor traces."""
-        for key in [k for k in self._error if which is None or which(k)]:
-            del self._error[key]
+        indoor and outdoor traces. Dropping them instead cost the small models their
+        errors at every re-plan (MobileNetV2: 29 in one run), and with them the rule that
+        keeps known slow alternatives from being probed in each new bucket."""
+        for key in [k for k in self._error if k in old]:
+            o, n = old[key], new.get(key, {})
+            scale = [o[b] / n[b] for b in o if b in n and o[b] > 0 and n[b] > 0]
+            if not scale:
+                del self._error[key]
+                continue
+            f = statistics.median(scale)
+            errors = self._error[key]
+            self._error[key] = deque((e * f for e in errors), maxlen=errors.maxlen)
 
     def observe(self, bucket, plan, latency_s: float) -> None:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
