@@ -112,12 +112,9 @@ class StripeCalibration:
         self._ratios: Dict[Tuple[Tuple[str, str], str], deque] = {}
 
     @staticmethod
-    def _loads(cfg: PlannerConfig, side: str, region: Tuple[str, str]) -> Tuple[float, float]:
-        """(the side's load factor, the region's stripe factor) in ``cfg``."""
-        robot, server = cfg.stripe_loads(*region)
-        if side == "robot":
-            return cfg.robot_load, robot
-        return cfg.server_load, server
+    def _load(cfg: PlannerConfig, side: str) -> float:
+        """The side's load factor in ``cfg``."""
+        return cfg.robot_load if side == "robot" else cfg.server_load
 
     def restart(self) -> None:
         """Drop the samples: new plans were swapped in (their predictions use other factors)."""
@@ -139,9 +136,9 @@ class StripeCalibration:
             if len(ratios) >= self.min_samples:
                 m = statistics.median(ratios)
                 if abs(m - 1.0) > self.threshold:
-                    load, stripe = self._loads(solved, side, region)
+                    stripe = solved.stripe_loads(*region)[0 if side == "robot" else 1]
                     lo, hi = self.bounds
-                    total = load * min(hi, max(lo, stripe * m))
+                    total = self._load(solved, side) * min(hi, max(lo, stripe * m))
                     self.regions.setdefault(region, {"robot": None, "server": None})[side] = total
                     self.total[side] = total
                     moved = True
@@ -152,7 +149,7 @@ class StripeCalibration:
     def factor(self, cfg: PlannerConfig, side: str, region: Optional[Tuple[str, str]] = None) -> float:
         """The stripe factor of ``side`` under ``cfg``'s load factors: ``region``'s own
         when its stripes were measured, else the last measured anywhere, not below 1."""
-        load = cfg.robot_load if side == "robot" else cfg.server_load
+        load = self._load(cfg, side)
         own = self.regions.get(region, {}).get(side) if region is not None else None
         if own is not None:
             return own / load
@@ -316,13 +313,13 @@ class LopBackend(LayerPartitionBackend):
             return y
         i = ls.current[1]
         chosen, probe = plan, False
-        if st.measured is not None and ls.judged is not ls.table:
-            # a new table predicts the spatial schedules anew; done here, on the frame's
-            # thread, as the measured choice is not shared with the re-plan thread
-            if ls.judged is not None:
-                st.measured.carry_errors(ls.judged.predictions(), ls.table.predictions())
-            ls.judged = ls.table
         if st.measured is not None:
+            if ls.judged is not ls.table:
+                # a new table predicts the spatial schedules anew; done here, on the
+                # frame's thread, as the measured choice is not shared with the re-plan thread
+                if ls.judged is not None:
+                    st.measured.carry_errors(ls.judged.predictions(), ls.table.predictions())
+                ls.judged = ls.table
             # LOSS's spatial schedule against what layer_partition would consider in this
             # bucket: its plan and that plan's alternatives (the best plan at another cut,
             # all local, full offload). Measured latency settles the close calls (robot

@@ -582,14 +582,14 @@ class MeasuredChoice:
         for a in alternatives:
             if self.candidate(bucket, plan, a):
                 cands.setdefault(a.key, a)
+        medians = {k: self.median_s(bucket, c) for k, c in cands.items()}
         self.last = {"led": led, "medians_ms": {
-            _describe(c): (None if self.median_s(bucket, c) is None else round(self.median_s(bucket, c) * 1e3, 1))
-            for c in cands.values()}}
-        if len(cands) == 1 or self.median_s(bucket, plan) is None:
+            _describe(c): (None if medians[k] is None else round(medians[k] * 1e3, 1))
+            for k, c in cands.items()}}
+        if len(cands) == 1 or medians[plan.key] is None:
             self.last["reason"] = "lead" if led else "planned"
             return plan, False
-        measured = [c for c in cands.values() if self.median_s(bucket, c) is not None]
-        best = min(measured, key=lambda c: self.median_s(bucket, c))
+        best = min((c for k, c in cands.items() if medians[k] is not None), key=lambda c: medians[c.key])
         others = [c for c in cands.values() if c.key != best.key]
         under = [c for c in others if self._count(bucket, c) < self.min_samples]
         if under or self._since.get(bucket, 0) >= self.every:
