@@ -770,6 +770,46 @@ def test_a_bucket_without_a_spatial_schedule_runs_layer_partitions_frames(shared
         client.close()
 
 
+def test_layer_partition_and_lop_of_one_client_share_what_they_measured(shared_server, profile_dir):
+    """The client's ``layer_partition`` and ``lop`` keep one graph, one profile and one
+    measured choice per shape: what layer_partition measured in a bucket (its full offload,
+    predicted as fast as all local, is really slower: every request waits 0.3 s) is what
+    lop's layer-partition frames are served by after a switch, with no second profile and
+    no probe of the offload again. Two separate backends would each time the slow offload
+    themselves (see the test above)."""
+    client = _client(shared_server, "vgg19", profile_dir, transport=_SlowLink(shared_server),
+                     partition_codecs=("raw",), probe_every=1000, replan_threshold=1e9)
+    try:
+        lp, lop = client._get_backend("layer_partition"), client._get_backend("lop")
+        assert lp.graph is lop.graph and lp.known is lop.known
+        for b in (lp, lop):
+            b.calibration_inputs, b.profile_repeats = 1, 1
+        x = client.spec.example_input(client.input_size, seed=7)
+        with torch.inference_mode():
+            ref = client.model(x)
+        st = lp.state(x)
+        by_kind = {c.kind: c for c in st.profile.cuts}
+        local = plan_for(st.profile, by_kind[OUTPUT_CUT].id, "raw/none", 20e6, st.cfg)
+        offload = plan_for(st.profile, by_kind[INPUT_CUT].id, "raw/none", 20e6, st.cfg)
+        offload = dataclasses.replace(offload, prediction=dataclasses.replace(
+            offload.prediction, latency_s=local.latency_s))
+        j = st.table.index(20e6)
+        st.table.plans[j], st.table.alternatives[j] = offload, [local]
+        frames = _frames_at(lp, x, ref, 12, 20e6, "layer_partition")
+        assert frames[-1].extra["partition"]["cut"] == by_kind[OUTPUT_CUT].label
+        assert lop.state(x) is st                     # no second profile, table or tracker
+        ls = lop.lop_state(x)
+        # LOSS says the same offload here (a layer partition, no spatial region)
+        ls.table = LopTable((1e6,), [LopPlan(bandwidth_bps=20e6, latency_s=offload.latency_s,
+                                             energy_j=0.0, partition=offload)], 0.0)
+        after = _frames_at(lop, x, ref, 4, 20e6, "lop after layer_partition")
+        served = [(s.extra["partition"]["cut"], s.extra["lop"]["probe"]) for s in after]
+        assert served == [(by_kind[OUTPUT_CUT].label, False)] * 4, served
+        assert all(s.plan.startswith("lop:") for s in after)
+    finally:
+        client.close()
+
+
 def test_plan_switching_has_hysteresis():
     """The plan in use is kept while the predicted bandwidth stays within one bucket of the
     one it was chosen for; a bigger move, or a new table, switches."""

@@ -1,7 +1,7 @@
 """The backend interface and the mode registry."""
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Type
 
 import torch
@@ -15,12 +15,19 @@ from robot_offload.stats import FrameStats
 @dataclass
 class BackendContext:
     """What a backend may use: the model (already built on the robot), its registry spec,
-    the link to the server (None when the client has no server) and the client config."""
+    the link to the server (None when the client has no server) and the client config.
+
+    ``shared`` is what the backends of one client learn about the model and keep for each
+    other, by key (``layer_partition`` and ``lop``: the graph, the profiles, the drift
+    factors and the measured choices, see
+    :class:`~robot_offload.backends.layer_partition.PartitionKnowledge`), so that switching
+    modes at run time neither measures the model again nor forgets what was measured."""
 
     spec: ModelSpec
     model: torch.nn.Module
     link: Optional[ServerLink]
     config: "object"
+    shared: Dict[str, object] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):

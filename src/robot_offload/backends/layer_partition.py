@@ -64,6 +64,40 @@ class _ShapeState:
     measured: Optional[MeasuredChoice] = None   # None: probing off (or the energy objective)
 
 
+class PartitionKnowledge:
+    """What ``layer_partition`` and ``lop`` of one client know about its model, kept once
+    in :attr:`BackendContext.shared`: the captured graph, its parsed cuts and, per input
+    shape, the profile, the plan table, the drift tracker's load factors and the measured
+    choice's latencies.
+
+    Both backends run layer partitions (``lop`` wherever LOSS degrades to one, and when its
+    measured choice prefers one of layer partitioning's plans to a spatial schedule), so
+    both learn the same things. Kept apart, each backend settled its close calls on its own
+    samples: in docs/bench/lop-all14, lop ran MobileNetV2 at 50 Mbit/s on a cut after
+    ``features_7_conv_3`` in 21 of 25 frames where layer_partition, in the same client and
+    on the same frames, had measured all local faster, and lop came out 3-23 % behind
+    layer_partition in all five of MobileNetV2's cells. Shared, a frame that lop runs as a
+    layer partition is exactly the frame layer_partition would run, and a switch between
+    the two modes at run time keeps the measurements (and the profile) instead of starting
+    over."""
+
+    def __init__(self, model, refresh: bool = False):
+        self.graph: ModelGraph = capture(model)
+        self.states: Dict[Tuple[int, ...], _ShapeState] = {}
+        self.cuts: Dict[Tuple[str, ...], Cut] = {}
+        self.refresh = refresh      # measure profiles again instead of loading the cache
+        self.fresh: set = set()     # shapes measured afresh since the last refresh request
+        self.users = 0              # open backends; the last to close saves the profiles
+
+    @classmethod
+    def of(cls, ctx) -> "PartitionKnowledge":
+        """The client's (made on first use)."""
+        k = ctx.shared.get("partition")
+        if k is None:
+            k = ctx.shared["partition"] = cls(ctx.model, bool(getattr(ctx.config, "profile_refresh", False)))
+        return k
+
+
 @register_backend
 class LayerPartitionBackend(Backend):
     name = "layer_partition"
@@ -77,15 +111,15 @@ class LayerPartitionBackend(Backend):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.graph: ModelGraph = capture(ctx.model)
+        self.known = PartitionKnowledge.of(ctx)
+        self.known.users += 1
+        self.graph: ModelGraph = self.known.graph
         if not self.graph.traced:
-            log.info("%s: torch.fx cannot trace it (%s); layer_partition uses the input and "
-                     "output cuts only", ctx.spec.name, self.graph.trace_error)
-        self._states: Dict[Tuple[int, ...], _ShapeState] = {}
-        self._cuts: Dict[Tuple[str, ...], Cut] = {}
+            log.info("%s: torch.fx cannot trace it (%s); %s uses the input and "
+                     "output cuts only", ctx.spec.name, self.graph.trace_error, self.name)
+        self._states = self.known.states
+        self._cuts = self.known.cuts
         self.replans = 0
-        self._refresh = bool(getattr(ctx.config, "profile_refresh", False))
-        self._fresh: set = set()       # shapes measured afresh since the last refresh request
 
     # -- profiles and plans -------------------------------------------------------------
     def planner_config(self) -> PlannerConfig:
@@ -106,8 +140,9 @@ class LayerPartitionBackend(Backend):
                       repeats=self.profile_repeats)
             args = (c.profile_dir, self.graph, self.ctx.spec.name, self._weights_hash(),
                     self._calibration(x))
-            profile = load_or_build(*args, refresh=self._refresh and shape not in self._fresh, **kw)
-            self._fresh.add(shape)
+            known = self.known
+            profile = load_or_build(*args, refresh=known.refresh and shape not in known.fresh, **kw)
+            known.fresh.add(shape)
             if not self._cuts_exist(profile):
                 log.warning("the cached profile names cuts this graph does not have; measuring again")
                 profile = load_or_build(*args, refresh=True, **kw)
@@ -151,10 +186,11 @@ class LayerPartitionBackend(Backend):
         return True
 
     def refresh_profile(self) -> None:
-        """Measure the profiles again (from the next frame on), ignoring the cache."""
+        """Measure the profiles again (from the next frame on), ignoring the cache (for
+        every backend of the client that shares them)."""
         self._states.clear()
-        self._fresh.clear()
-        self._refresh = True
+        self.known.fresh.clear()
+        self.known.refresh = True
 
     def _weights_hash(self) -> str:
         link = self.ctx.link
@@ -309,7 +345,11 @@ class LayerPartitionBackend(Backend):
         return y, t1, server_s, codec_name
 
     def close(self) -> None:
-        """Keep what was measured on the server: save the profiles."""
+        """Keep what was measured on the server: save the profiles (once, when the last
+        backend sharing them closes)."""
+        self.known.users -= 1
+        if self.known.users > 0:
+            return
         for st in self._states.values():
             try:
                 st.profile.save(self.ctx.config.profile_dir)

@@ -1,7 +1,8 @@
 """``lop``: local-operator parallelism with a bandwidth-aware schedule (Intra-DP).
 
-Per input shape the backend takes the layer-partition profile (the same measurements and
-cache as ``layer_partition``), analyses the graph's operators
+Per input shape the backend takes the layer-partition profile (the client's
+:class:`~robot_offload.backends.layer_partition.PartitionKnowledge`: the same graph,
+profile, load factors and measured choices as its ``layer_partition``), analyses the graph's operators
 (:mod:`robot_offload.partition.spatial`), and solves LOSS for every bandwidth bucket
 (:mod:`robot_offload.partition.loss`; plans cached on disk next to the profiles). Per
 frame it looks up the schedule for the predicted bandwidth, so plans switch as the
@@ -9,7 +10,7 @@ bandwidth changes:
 
 * where no local region pays off, LOSS degrades to layer partitioning and the frame is
   ``layer_partition``'s own (:meth:`~LayerPartitionBackend.partition_frame`: its bucket,
-  plan, measured choice and measurements);
+  plan, measured choice and measurements, shared with the client's ``layer_partition``);
 * a spatial schedule runs the head to the region's first cut, starts transfer A (the rows
   of the first cut's tensors the server's stripe needs) on a transport worker thread,
   computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
