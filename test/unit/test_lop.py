@@ -390,6 +390,15 @@ def test_grid_solver_matches_or_beats_differential_evolution(shared_server, prof
                 g = solve_grid(loss, b, cfg)
                 key = (lambda q: q.latency_s) if objective == "latency" else (lambda q: q.energy_j)
                 assert key(p) == pytest.approx(key(g), rel=1e-9), (b, p.describe(), g.describe())
+        # What does not depend on the load factors is made once; a new admission rule
+        # (error tolerance) makes it again, and the solvers still agree under it.
+        encs = st.profile.encodings
+        kept = loss.solver_arrays(cfg, encs)
+        assert loss.solver_arrays(dataclasses.replace(cfg, robot_load=2.0, server_load=0.5), encs) is kept
+        strict = dataclasses.replace(cfg, objective="latency", error_tolerance=1e-4)
+        assert loss.solver_arrays(strict, encs) is not kept
+        for b, p in zip(strict.buckets, solve_buckets(loss, strict)):
+            assert p.latency_s == pytest.approx(solve_grid(loss, b, strict).latency_s, rel=1e-9)
         # ... and with a region's own stripe factors (a measured region, see
         # StripeCalibration), which its schedules alone are predicted with.
         c0 = loss.candidates()[0]

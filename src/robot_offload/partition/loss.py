@@ -96,8 +96,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
-from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, options,
-                                             output_bytes, server_time)
+from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, error_budget,
+                                             options, output_bytes, server_time)
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
 from robot_offload.partition.spatial import Region, SpatialGraph
 
@@ -289,6 +289,7 @@ class Loss:
                                                      min(after, key=_join_bytes)))
             self.regions.append(RegionChoice(region, p1, p2, True))
         self._costs: Dict[Tuple[int, int], StripeCost] = {}
+        self._solver_arrays: Optional[Tuple[Tuple, Optional[Dict[str, object]]]] = None
         self.geometry_s = time.perf_counter() - t0
 
     def shares(self) -> List[float]:
@@ -314,6 +315,76 @@ class Loss:
         relies on the order)."""
         return [self.candidate(i, step) for i in range(len(self.regions))
                 for step in range(0, self.share_steps)]
+
+    def solver_arrays(self, cfg: PlannerConfig, encodings: List[str]) -> Optional[Dict[str, object]]:
+        """What :func:`solve_buckets` needs that the load factors do not change, made once
+        per admission rule (encodings, error budget and safety) and kept: per candidate its
+        stripe costs, per admissible (region, encoding) pair the encoding's byte ratios,
+        encoding seconds per byte and profiled error, and the rows the solver evaluates
+        (candidate-major as :meth:`candidates`, each candidate with its region's admissible
+        encodings). None when no candidate has an admissible encoding.
+
+        A re-plan (new load or stripe factors, every few seconds on a small model under a
+        CPU quota) used to recompute all of it on the robot, and over every encoding
+        whether admissible or not: MobileNetV2's 900 regions x 24 encodings, 0.6 s of a
+        core per re-plan, of which 28 % of the pairs were admissible."""
+        import numpy as np
+
+        key = (tuple(encodings), error_budget(cfg), cfg.error_safety)
+        cached = self._solver_arrays
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        cands = self.candidates()
+        per, n_r = self.share_steps, len(self.regions)
+        pair_region, pair_enc, fig = [], [], []
+        for ri in range(n_r):
+            cand = cands[ri * per]
+            ok = dict(encodings_for(self.profile, cand, cfg))
+            first, last, rc = cand.first, cand.last, self.regions[ri]
+            for j, e in enumerate(encodings):
+                if e not in ok:
+                    continue
+                ratio_b, ratio_j = _ratio(last, e), 0.0
+                if rc.robot_joins:
+                    ratio_b = 0.0          # no B; the join's bytes come down instead
+                    ratio_j = _ratio(last, join_encoding(e))
+                until = (rc.until.raw_bytes * _ratio(rc.until, join_encoding(e))
+                         if rc.until is not None else 0.0)
+                pair_region.append(ri)
+                pair_enc.append(j)
+                fig.append((_ratio(first, e), ratio_b, ratio_j, until, _enc_s_per_byte(first, e),
+                            _enc_s_per_byte(last, e), ok[e]))
+        arr = None
+        if fig:
+            fig_a = np.array(fig, dtype=float)
+            pair_region = np.array(pair_region)
+            # rows: candidate-major (region, share), then the region's pairs
+            starts = np.searchsorted(pair_region, np.arange(n_r + 1))
+            row_pair, row_cand = [], []
+            for ri in range(n_r):
+                pairs = np.arange(starts[ri], starts[ri + 1])
+                if len(pairs):
+                    row_pair.append(np.tile(pairs, per))
+                    row_cand.append(np.repeat(ri * per + np.arange(per), len(pairs)))
+            row_pair, row_cand = np.concatenate(row_pair), np.concatenate(row_cand)
+            costs = [c.cost for c in cands]
+            arr = {"cands": cands, "row_pair": row_pair, "row_cand": row_cand,
+                   "row_region": pair_region[row_pair], "pair_enc": np.array(pair_enc),
+                   "ratio_a": fig_a[:, 0], "ratio_b": fig_a[:, 1], "ratio_j": fig_a[:, 2],
+                   "until_bytes": fig_a[:, 3], "eps_a": fig_a[:, 4], "eps_b": fig_a[:, 5],
+                   "err": fig_a[:, 6],
+                   "a_raw": np.array([c.a_raw_bytes for c in costs], dtype=float),
+                   "b_raw": np.array([c.b_raw_bytes for c in costs], dtype=float),
+                   "robot_s": np.array([c.robot_s for c in costs], dtype=float),
+                   "server_robot_s": np.array([c.server_robot_s for c in costs], dtype=float),
+                   "down_share": np.array([c.down_share for c in costs], dtype=float),
+                   "join_raw": np.array([c.join_raw_bytes for c in costs], dtype=float),
+                   "head_s": np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0
+                                       for c in cands], dtype=float),
+                   "joins": np.array([c.robot_joins for c in cands]),
+                   "has_until": np.array([c.until is not None for c in cands])}
+        self._solver_arrays = (key, arr)
+        return arr
 
 
 def _boundary_cuts(graph: ModelGraph, spatial: SpatialGraph, profile: Profile) -> List[CutProfile]:
@@ -531,72 +602,42 @@ def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
 
 def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_GAIN) -> List[LopPlan]:
     """:func:`solve_grid` for every bucket of ``cfg``, vectorised: the same model and the
-    same decision space evaluated as arrays (candidates x encodings x buckets), so a whole
-    table costs about what one bucket costs in the scalar loop (a test checks they agree)."""
+    same decision space evaluated as arrays (one row per candidate and admissible encoding,
+    one column per bucket), so a whole table costs about what one bucket costs in the
+    scalar loop (a test checks they agree). What does not depend on the load factors (the
+    admissible encodings of every region and their figures, the candidates' stripe costs)
+    is kept on ``loss`` (:meth:`Loss.solver_arrays`), so a re-plan is the arithmetic alone."""
     import numpy as np
 
-    cands = loss.candidates()
     buckets = np.asarray(cfg.buckets, dtype=float)
     lp = [_partition_plan(best_plan(loss.profile, b, cfg, options(loss.profile, cfg)))
           for b in cfg.buckets]
     encs = list(cfg.encodings) if cfg.encodings is not None else loss.profile.encodings
-    if not cands or not encs:
+    arr = loss.solver_arrays(cfg, encs)
+    if arr is None:
         return lp
-    n_c, n_e = len(cands), len(encs)
-    # Encoding figures depend on the region's two cuts only: computed per region, then
-    # repeated over its shares (candidates are region-major, share_steps per region).
-    per = loss.share_steps
-    n_r = len(loss.regions)
-    r_ratio_a = np.full((n_r, n_e), np.nan)
-    r_ratio_b = np.full((n_r, n_e), np.nan)
-    r_ratio_j = np.zeros((n_r, n_e))
-    r_until = np.zeros((n_r, n_e))           # bytes of c3 that come down (server joins until c3)
-    r_eps_a = np.zeros((n_r, n_e))
-    r_eps_b = np.zeros((n_r, n_e))
-    r_err = np.full((n_r, n_e), np.inf)
-    for ri in range(n_r):
-        ok = dict(encodings_for(loss.profile, cands[ri * per], cfg))
-        first, last = cands[ri * per].first, cands[ri * per].last
-        for j, e in enumerate(encs):
-            if e in ok:
-                r_ratio_a[ri, j], r_ratio_b[ri, j] = _ratio(first, e), _ratio(last, e)
-                if loss.regions[ri].robot_joins:
-                    r_ratio_b[ri, j] = 0.0          # no B; the join's bytes come down instead
-                    r_ratio_j[ri, j] = _ratio(last, join_encoding(e))
-                until = loss.regions[ri].until
-                if until is not None:
-                    r_until[ri, j] = until.raw_bytes * _ratio(until, join_encoding(e))
-                r_eps_a[ri, j], r_eps_b[ri, j] = _enc_s_per_byte(first, e), _enc_s_per_byte(last, e)
-                r_err[ri, j] = ok[e]
-    ratio_a, ratio_b = np.repeat(r_ratio_a, per, axis=0), np.repeat(r_ratio_b, per, axis=0)
-    ratio_j = np.repeat(r_ratio_j, per, axis=0)
-    until_bytes = np.repeat(r_until, per, axis=0)
-    eps_a, eps_b = np.repeat(r_eps_a, per, axis=0), np.repeat(r_eps_b, per, axis=0)
-    err = np.repeat(r_err, per, axis=0)
+    cands, per = arr["cands"], loss.share_steps
+    rc, rr, rp = arr["row_cand"], arr["row_region"], arr["row_pair"]
     r, v = cfg.robot_load, cfg.server_load
-    a_raw = np.array([c.cost.a_raw_bytes for c in cands])[:, None]
-    b_raw = np.array([c.cost.b_raw_bytes for c in cands])[:, None]
-    stripe = np.array([cfg.stripe_loads(c.first.id, c.last.id) for c in cands])    # (c, 2)
-    robot_s = (stripe[:, 0] * np.array([c.cost.robot_s for c in cands]))[:, None]
-    srv_s = (stripe[:, 1] * np.array([c.cost.server_robot_s for c in cands]))[:, None]
-    head = r * np.array([c.first.head_s if c.first.kind != INPUT_CUT else 0.0 for c in cands])[:, None]
-    joins = np.array([c.robot_joins for c in cands])[:, None, None]
-    has_until = np.array([c.until is not None for c in cands])[:, None]
-    # what runs after the join depends on the region's choice, not on its share
-    tails = np.repeat(np.array([_tails(loss.profile, cands[ri * per], cfg) for ri in range(n_r)]),
-                      per, axis=0)
-    server_tail, robot_tail = tails[:, 0, None, None], tails[:, 1, None, None]
-    a_bytes, b_bytes = a_raw * ratio_a, b_raw * ratio_b                  # (c, e)
-    enc_a, enc_b = r * a_raw * eps_a, r * b_raw * eps_b
+    # per region: its stripe factors and what runs after the join (cfg-dependent)
+    stripe = np.array([cfg.stripe_loads(rc_.first.id, rc_.last.id) for rc_ in loss.regions])  # (r, 2)
+    tails = np.array([_tails(loss.profile, cands[ri * per], cfg) for ri in range(len(loss.regions))])
+    a_raw, b_raw = arr["a_raw"][rc], arr["b_raw"][rc]
+    a_bytes, b_bytes = a_raw * arr["ratio_a"][rp], b_raw * arr["ratio_b"][rp]
+    enc_a, enc_b = r * a_raw * arr["eps_a"][rp], r * b_raw * arr["eps_b"][rp]
+    robot_s = stripe[rr, 0] * arr["robot_s"][rc]
+    srv_s = stripe[rr, 1] * arr["server_robot_s"][rc]
+    head = r * arr["head_s"][rc]
+    joins, has_until = arr["joins"][rc][:, None], arr["has_until"][rc]
+    server_tail, robot_tail = tails[rr, 0][:, None], tails[rr, 1][:, None]
     down = output_bytes(loss.profile, cfg.output_codec)
-    bw = buckets[None, None, :]
-    a_sent = (head + enc_a)[:, :, None] + a_bytes[:, :, None] * 8.0 / bw
-    robot = (head + enc_a + r * robot_s + enc_b)[:, :, None]
-    s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, :, None]
-    b_in = np.maximum(robot, a_sent) + b_bytes[:, :, None] * 8.0 / bw + cfg.rtt_s / 2
-    share = np.array([c.cost.down_share for c in cands])[:, None]
-    join_raw = np.array([c.cost.join_raw_bytes for c in cands])[:, None]
-    down_bytes = np.where(has_until, until_bytes, down * share + join_raw * ratio_j)[:, :, None]
+    bw = buckets[None, :]
+    a_sent = (head + enc_a)[:, None] + a_bytes[:, None] * 8.0 / bw
+    robot = (head + enc_a + r * robot_s + enc_b)[:, None]
+    s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, None]
+    b_in = np.maximum(robot, a_sent) + b_bytes[:, None] * 8.0 / bw + cfg.rtt_s / 2
+    down_bytes = np.where(has_until, arr["until_bytes"][rp],
+                          down * arr["down_share"][rc] + arr["join_raw"][rc] * arr["ratio_j"][rp])[:, None]
     down_s = down_bytes * 8.0 / bw
     latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
                        np.maximum(b_in, s_ready) + server_tail + down_s + cfg.rtt_s / 2) + robot_tail
@@ -605,23 +646,23 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
         obj = latency
     else:
         busy = robot + robot_tail
-        tx = (a_bytes[:, :, None] + b_bytes[:, :, None] + down_bytes) * 8.0 / bw
+        tx = (a_bytes[:, None] + b_bytes[:, None] + down_bytes) * 8.0 / bw
         waiting = np.maximum(0.0, latency - busy)
         obj = (cfg.compute_w * busy + cfg.transmit_w * np.minimum(waiting, tx)
                + cfg.idle_w * np.maximum(0.0, waiting - tx))
     obj = np.where(np.isnan(obj), np.inf, obj)
     plans = []
-    flat = obj.reshape(n_c * n_e, len(buckets))
-    best = flat.argmin(axis=0)
+    best = obj.argmin(axis=0)
     for k, b in enumerate(cfg.buckets):
         lp_plan = lp[k]
         lp_obj = lp_plan.latency_s if cfg.objective == "latency" else lp_plan.energy_j
-        i, j = divmod(int(best[k]), n_e)
-        if not _spatial_wins(float(flat[best[k], k]), lp_obj, min_gain):
+        row = int(best[k])
+        if not _spatial_wins(float(obj[row, k]), lp_obj, min_gain):
             plans.append(lp_plan)
             continue
-        p = predict(loss.profile, cands[i], encs[j], b, cfg, down)
-        plans.append(_lop_plan(cands[i], encs[j], p, b, float(err[i, j])))
+        cand, e = cands[int(rc[row])], encs[int(arr["pair_enc"][rp[row]])]
+        p = predict(loss.profile, cand, e, b, cfg, down)
+        plans.append(_lop_plan(cand, e, p, b, float(arr["err"][rp[row]])))
     return plans
 
 
