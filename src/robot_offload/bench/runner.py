@@ -180,7 +180,7 @@ class BenchRunner:
                 self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1; "
                                   "the orders balanced so that every mode followed every other "
-                                  "equally often (bench.order)")
+                                  "equally often, across frames too (bench.order)")
             if cfg.pairs_traces:
                 self.notes.append("paired trace: every mode's frame i started at the same point of "
                                   "the bandwidth trace, and frame i + 1 where the slowest mode's "

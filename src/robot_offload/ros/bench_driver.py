@@ -17,7 +17,8 @@ meaningful where one mode after the other would compare different moments. With
 ``--paired-trace`` (the runner's default for interleaved modes) every mode's frame i also
 starts at the same point of the bandwidth trace (:meth:`Driver.seek`); without it the trace
 plays on in wall time and four 1 s frames of frame i meet four different seconds of it. The order changes from frame to frame so that every mode follows every
-other equally often (:func:`robot_offload.bench.order.balanced_orders`), and
+other equally often, from one frame to the next too
+(:func:`robot_offload.bench.order.balanced_orders`), and
 ``--settle-s`` leaves the robot idle between frames (a camera's frames arrive with gaps
 too): the next frame starts on a CPU quota no earlier frame has used up. Rows carry
 ``mode_asked``.
