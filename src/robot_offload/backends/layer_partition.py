@@ -94,7 +94,8 @@ class PartitionKnowledge:
         """The client's (made on first use)."""
         k = ctx.shared.get("partition")
         if k is None:
-            k = ctx.shared["partition"] = cls(ctx.model, bool(getattr(ctx.config, "profile_refresh", False)))
+            refresh = bool(getattr(ctx.config, "profile_refresh", False))
+            k = ctx.shared["partition"] = cls(ctx.model, refresh)
         return k
 
 

@@ -2,8 +2,8 @@
 
 Per input shape the backend takes the layer-partition profile (the client's
 :class:`~robot_offload.backends.layer_partition.PartitionKnowledge`: the same graph,
-profile, load factors and measured choices as its ``layer_partition``), analyses the graph's operators
-(:mod:`robot_offload.partition.spatial`), and solves LOSS for every bandwidth bucket
+profile, load factors and measured choices as its ``layer_partition``), analyses the
+graph's operators (:mod:`robot_offload.partition.spatial`), and solves LOSS for every bandwidth bucket
 (:mod:`robot_offload.partition.loss`; plans cached on disk next to the profiles). Per
 frame it looks up the schedule for the predicted bandwidth, so plans switch as the
 bandwidth changes:

@@ -46,8 +46,7 @@ def _cycle(n: int) -> Tuple[Tuple[int, ...], ...]:
     index fixed at 0."""
     if n == 1:
         return ((0,),)
-    blocks = max(1, n - 1)
-    total = n * blocks
+    total = n * (n - 1)
     unused = {(a, b) for a in range(n) for b in range(n) if a != b}
     seq: List[int] = [0]
     in_block = [{0}]

@@ -617,27 +617,29 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     if arr is None:
         return lp
     cands, per = arr["cands"], loss.share_steps
-    rc, rr, rp = arr["row_cand"], arr["row_region"], arr["row_pair"]
+    rows_c, rows_r, rows_p = arr["row_cand"], arr["row_region"], arr["row_pair"]   # per row
     r, v = cfg.robot_load, cfg.server_load
     # per region: its stripe factors and what runs after the join (cfg-dependent)
-    stripe = np.array([cfg.stripe_loads(rc_.first.id, rc_.last.id) for rc_ in loss.regions])  # (r, 2)
-    tails = np.array([_tails(loss.profile, cands[ri * per], cfg) for ri in range(len(loss.regions))])
-    a_raw, b_raw = arr["a_raw"][rc], arr["b_raw"][rc]
-    a_bytes, b_bytes = a_raw * arr["ratio_a"][rp], b_raw * arr["ratio_b"][rp]
-    enc_a, enc_b = r * a_raw * arr["eps_a"][rp], r * b_raw * arr["eps_b"][rp]
-    robot_s = stripe[rr, 0] * arr["robot_s"][rc]
-    srv_s = stripe[rr, 1] * arr["server_robot_s"][rc]
-    head = r * arr["head_s"][rc]
-    joins, has_until = arr["joins"][rc][:, None], arr["has_until"][rc]
-    server_tail, robot_tail = tails[rr, 0][:, None], tails[rr, 1][:, None]
+    stripe = np.array([cfg.stripe_loads(rc.first.id, rc.last.id) for rc in loss.regions])   # (r, 2)
+    tails = np.array([_tails(loss.profile, cands[ri * per], cfg)
+                      for ri in range(len(loss.regions))])
+    a_raw, b_raw = arr["a_raw"][rows_c], arr["b_raw"][rows_c]
+    a_bytes, b_bytes = a_raw * arr["ratio_a"][rows_p], b_raw * arr["ratio_b"][rows_p]
+    enc_a, enc_b = r * a_raw * arr["eps_a"][rows_p], r * b_raw * arr["eps_b"][rows_p]
+    robot_s = stripe[rows_r, 0] * arr["robot_s"][rows_c]
+    srv_s = stripe[rows_r, 1] * arr["server_robot_s"][rows_c]
+    head = r * arr["head_s"][rows_c]
+    joins, has_until = arr["joins"][rows_c][:, None], arr["has_until"][rows_c]
+    server_tail, robot_tail = tails[rows_r, 0][:, None], tails[rows_r, 1][:, None]
     down = output_bytes(loss.profile, cfg.output_codec)
     bw = buckets[None, :]
     a_sent = (head + enc_a)[:, None] + a_bytes[:, None] * 8.0 / bw
     robot = (head + enc_a + r * robot_s + enc_b)[:, None]
     s_ready = a_sent + cfg.rtt_s / 2 + (v * srv_s / cfg.server_speedup)[:, None]
     b_in = np.maximum(robot, a_sent) + b_bytes[:, None] * 8.0 / bw + cfg.rtt_s / 2
-    down_bytes = np.where(has_until, arr["until_bytes"][rp],
-                          down * arr["down_share"][rc] + arr["join_raw"][rc] * arr["ratio_j"][rp])[:, None]
+    down_bytes = np.where(has_until, arr["until_bytes"][rows_p],
+                          down * arr["down_share"][rows_c]
+                          + arr["join_raw"][rows_c] * arr["ratio_j"][rows_p])[:, None]
     down_s = down_bytes * 8.0 / bw
     latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
                        np.maximum(b_in, s_ready) + server_tail + down_s + cfg.rtt_s / 2) + robot_tail
@@ -660,9 +662,9 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
         if not _spatial_wins(float(obj[row, k]), lp_obj, min_gain):
             plans.append(lp_plan)
             continue
-        cand, e = cands[int(rc[row])], encs[int(arr["pair_enc"][rp[row]])]
+        cand, e = cands[int(rows_c[row])], encs[int(arr["pair_enc"][rows_p[row]])]
         p = predict(loss.profile, cand, e, b, cfg, down)
-        plans.append(_lop_plan(cand, e, p, b, float(arr["err"][rp[row]])))
+        plans.append(_lop_plan(cand, e, p, b, float(arr["err"][rows_p[row]])))
     return plans
 
 
