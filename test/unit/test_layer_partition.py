@@ -382,6 +382,7 @@ def test_drift_from_the_profile_replans(shared_server, profile_dir):
         st.profile.forward_s = 0.0011
         for c in st.profile.cuts:
             c.head_s *= scale
+        st.tracker.reference_s["robot"] = 0.0011    # what a drift sample weighs against
         local = plan_for(st.profile, "output", "raw/none", 10e6, st.cfg)
         for _ in range(4):
             backend.run_plan(x, local, FrameStats(), 120)

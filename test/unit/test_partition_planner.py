@@ -12,7 +12,7 @@ from torch import nn
 from robot_offload.errors import ConfigError
 from robot_offload.partition import profile as prof
 from robot_offload.partition.graph import capture
-from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, PlannerConfig,
+from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, PlannerConfig, weighted_median,
                                              PlanTable, bandwidth_buckets, best_plan, options,
                                              output_error_bound, predict)
 from robot_offload.partition.profile import CutProfile, Profile, output_error
@@ -342,7 +342,7 @@ def test_measured_choice_carries_prediction_errors_to_new_buckets():
 
 
 def test_drift_tracker_replans_after_sustained_drift():
-    t = DriftTracker(threshold=0.3, alpha=0.5, min_samples=3)
+    t = DriftTracker(threshold=0.3, min_samples=3)
     assert not any(t.observe("robot", 0.010, 0.011) for _ in range(5))    # 10 %: noise
     t.accept()
     fired = [t.observe("robot", 0.010, 0.030) for _ in range(4)]
@@ -354,6 +354,41 @@ def test_drift_tracker_replans_after_sustained_drift():
     assert not t.observe("server", 0.0, 1.0)                             # nothing to compare
     with pytest.raises(ConfigError):
         t.observe("moon", 1, 1)
+
+
+def test_drift_tracker_weighs_short_work_against_the_whole_forward():
+    """Short heads that run faster than profiled (a burst under a CPU quota) are no load
+    change: they count by their share of the forward, so the forwards decide; one throttled
+    frame moves a median no more than it should; a real slowdown of the whole forward
+    still re-plans after min_samples forwards."""
+    fwd = 0.100
+    t = DriftTracker(threshold=0.3, min_samples=3, reference_s={"robot": fwd, "server": fwd / 5})
+    assert t.weight("robot", 0.020) == pytest.approx(0.2) and t.weight("robot", 0.5) == 1.0
+    fired = []
+    for _ in range(6):
+        fired.append(t.observe("robot", fwd, fwd * 1.02))
+        fired += [t.observe("robot", 0.020, 0.020 * 0.35) for _ in range(3)]
+    assert not any(fired) and t.ratio["robot"] == pytest.approx(1.02)
+    assert t.samples["robot"] == 24 and t.evidence["robot"] == pytest.approx(6 * 1.6)
+    assert not t.observe("robot", fwd, fwd * 2.5)                        # one throttled frame
+    assert t.ratio["robot"] == pytest.approx(1.02)
+    # the same short heads alone, as many as three forwards' worth, do move it
+    u = DriftTracker(threshold=0.3, min_samples=3, reference_s={"robot": fwd})
+    fired = [u.observe("robot", 0.020, 0.020 * 0.35) for _ in range(15)]
+    assert fired.index(True) == 14 and u.ratio["robot"] == pytest.approx(0.35)
+    # a real slowdown: three whole forwards at 1.6x
+    t.accept()
+    fired = [t.observe("robot", fwd, fwd * 1.6) for _ in range(4)]
+    assert fired == [False, False, True, True] and t.ratio["robot"] == pytest.approx(1.6)
+    with pytest.raises(ConfigError):
+        DriftTracker(min_samples=3, window=2)
+
+
+def test_weighted_median():
+    assert weighted_median([(1.0, 1.0), (3.0, 1.0), (2.0, 1.0)]) == 2.0
+    assert weighted_median([(1.0, 1.0), (3.0, 1.0)]) == 2.0
+    assert weighted_median([(1.0, 0.2), (3.0, 1.0), (0.5, 0.2)]) == 3.0
+    assert weighted_median([(5.0, 0.1)]) == 5.0
 
 
 def test_output_error():

@@ -148,7 +148,9 @@ class LayerPartitionBackend(Backend):
                 log.warning("the cached profile names cuts this graph does not have; measuring again")
                 profile = load_or_build(*args, refresh=True, **kw)
             cfg = self.planner_config()
-            tracker = DriftTracker(threshold=c.replan_threshold)
+            # a drift sample weighs its profiled time against the whole forward's
+            tracker = DriftTracker(threshold=c.replan_threshold, reference_s={
+                "robot": profile.forward_s, "server": profile.forward_s / cfg.server_speedup})
             factor = profile.server_factor(cfg.server_speedup, device=self._device())
             if factor is not None:
                 cfg = replace(cfg, server_load=factor)

@@ -377,21 +377,46 @@ class PlanTable:
 
 
 class DriftTracker:
-    """DynO's run-time profiler: the ratio of measured to predicted compute time, smoothed,
-    for the robot and the server. :meth:`observe` returns True when a factor moved more than
-    ``threshold`` (relative) away from the one the current plans were made with, after at
-    least ``min_samples`` observations since then: time to re-plan with :meth:`apply`.
+    """DynO's run-time profiler: the ratio of measured to predicted compute time, for the
+    robot and the server. :meth:`observe` returns True when a side's ratio moved more than
+    ``threshold`` (relative) away from the one the current plans were made with, after
+    ``min_samples`` of evidence since then: time to re-plan with :meth:`apply`.
     Measurements whose profiled time is below ``min_s`` are ignored: timer noise on
-    sub-millisecond work would otherwise look like drift."""
+    sub-millisecond work would otherwise look like drift.
 
-    def __init__(self, threshold: float = 0.3, alpha: float = 0.3, min_samples: int = 3,
-                 min_s: float = 1e-3):
-        if not threshold > 0 or not 0 < alpha <= 1 or min_samples < 1 or min_s < 0:
-            raise ConfigError("need threshold > 0, 0 < alpha <= 1, min_samples >= 1, min_s >= 0")
-        self.threshold, self.alpha, self.min_samples, self.min_s = threshold, alpha, min_samples, min_s
-        self.ratio = {"robot": 1.0, "server": 1.0}      # smoothed measured / profiled
+    The ratio is the weighted median of the side's recent samples, each weighing its
+    profiled time against ``reference_s`` (the side's whole forward; at most 1), over the
+    newest ``window`` of weight. Evidence counts the same way: a sample of a fifth of the
+    model is a fifth of one. Why not a smoothed mean of the ratios, one per frame: a short
+    piece of work errs far more than a whole forward, and errs the same way every time
+    (its share of the profile's anchored total, fixed per-call costs, and under a CPU
+    quota a burst that runs at full speed where the profile's back-to-back nodes ran
+    throttled), so it is no sign of the device's load. With one vote per frame,
+    DenseNet-121's head to ``features_pool0`` (profiled 25 ms, measured 8-9 ms on the
+    0.5-CPU robot) set the robot's factor at 0.3 whenever layer_partition ran that cut,
+    its whole forward (1.0) set it back, and the plans were rebuilt 16 times in one
+    benchmark run, each time with a near-local cut newly predicted fast enough to be run
+    (120-150 ms where the bucket's plan ran 70-75); the robot factors of MobileNetV2
+    swung between 0.65 and 2.0 and KAPAO's between 1.5 and 6.4 (docs/bench/lop-all15).
+    A median, unlike a mean, also takes one throttled frame for what it is."""
+
+    def __init__(self, threshold: float = 0.3, min_samples: float = 3.0, min_s: float = 1e-3,
+                 window: float = 4.0, reference_s: Optional[Dict[str, float]] = None):
+        if not threshold > 0 or not min_samples > 0 or min_s < 0 or not window >= min_samples:
+            raise ConfigError("need threshold > 0, min_samples > 0, min_s >= 0 and window >= min_samples")
+        self.threshold, self.min_samples, self.min_s, self.window = threshold, min_samples, min_s, window
+        #: side -> its whole forward's profiled time (s); a sample weighs its own against it
+        self.reference_s = {s: float(v) for s, v in (reference_s or {}).items() if v and v > 0}
+        self.ratio = {"robot": 1.0, "server": 1.0}      # weighted median, measured / profiled
         self.planned = {"robot": 1.0, "server": 1.0}    # factors the current plans use
-        self.samples = {"robot": 0, "server": 0}
+        self.samples = {"robot": 0, "server": 0}        # samples since the plans were made
+        self.evidence = {"robot": 0.0, "server": 0.0}   # their weight
+        self._recent: Dict[str, deque] = {"robot": deque(), "server": deque()}  # (ratio, weight)
+
+    def weight(self, side: str, predicted_s: float) -> float:
+        """What one sample of ``predicted_s`` profiled seconds counts for (0-1]."""
+        ref = self.reference_s.get(side)
+        return 1.0 if ref is None else min(1.0, predicted_s / ref)
 
     def observe(self, side: str, predicted_s: float, measured_s: float) -> bool:
         """Fold in one measurement of ``side`` ("robot" or "server") whose profile-based
@@ -400,11 +425,16 @@ class DriftTracker:
             raise ConfigError(f"unknown side {side!r}")
         if not (predicted_s > max(self.min_s, 1e-9) and measured_s >= 0 and math.isfinite(measured_s)):
             return False
-        r = measured_s / predicted_s
-        n = self.samples[side]
-        self.ratio[side] = r if n == 0 else (1 - self.alpha) * self.ratio[side] + self.alpha * r
-        self.samples[side] = n + 1
-        return self.samples[side] >= self.min_samples and self.drifted(side)
+        w = self.weight(side, predicted_s)
+        recent = self._recent[side]
+        recent.append((measured_s / predicted_s, w))
+        held = sum(x[1] for x in recent)
+        while len(recent) > 1 and held - recent[0][1] >= self.window:
+            held -= recent.popleft()[1]
+        self.ratio[side] = weighted_median(recent)
+        self.samples[side] += 1
+        self.evidence[side] += w
+        return self.evidence[side] >= self.min_samples - 1e-9 and self.drifted(side)
 
     def drifted(self, side: str) -> bool:
         return abs(self.ratio[side] / self.planned[side] - 1.0) > self.threshold
@@ -412,15 +442,32 @@ class DriftTracker:
     def assume(self, side: str, factor: float) -> None:
         """Start ``side`` at ``factor`` (plans are being made with it)."""
         self.ratio[side] = self.planned[side] = factor
+        self._recent[side].clear()
 
     def accept(self) -> Dict[str, float]:
         """The plans are being rebuilt with the current ratios: remember them."""
         self.planned = dict(self.ratio)
         self.samples = {"robot": 0, "server": 0}
+        self.evidence = {"robot": 0.0, "server": 0.0}
         return dict(self.planned)
 
     def apply(self, cfg: PlannerConfig) -> PlannerConfig:
         return replace(cfg, robot_load=self.planned["robot"], server_load=self.planned["server"])
+
+
+def weighted_median(samples) -> float:
+    """The median of ``(value, weight)`` pairs: the value at half their total weight (the
+    mean of the two values either side when the half falls exactly between them)."""
+    items = sorted(samples)
+    half = sum(w for _, w in items) / 2.0
+    acc = 0.0
+    for k, (v, w) in enumerate(items):
+        acc += w
+        if acc > half + 1e-12:
+            return v
+        if abs(acc - half) <= 1e-12 and k + 1 < len(items):
+            return (v + items[k + 1][0]) / 2.0
+    return items[-1][0]
 
 
 def _describe(plan) -> str:
