@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from robot_offload.bench.report import comparison_table, compute_ratio_table, prediction_table
+from robot_offload.bench.report import (comparison_table, compute_ratio_table, prediction_table,
+                                        same_work_table)
 
 
 def _rows():
@@ -41,6 +42,25 @@ def test_prediction_error_and_plans():
     cells = [c.strip() for c in lop.strip("|").split("|")]
     assert cells[2] == "3" and cells[5] == "10" and "lop-plan (3)" in cells[6]
     assert "| local |" not in table       # no prediction, no row
+
+
+def test_same_work_table_compares_only_frames_that_ran_all_on_the_robot():
+    rows = []
+    for i in range(6):
+        rows.append(dict(model="m", trace="t", mode_asked="local", executed_mode="local", lost=False,
+                         latency_s=0.020, plan=""))
+        rows.append(dict(model="m", trace="t", mode_asked="lop", executed_mode="lop", lost=False,
+                         latency_s=0.022, plan="lop:cut=output (all on robot)"))
+        rows.append(dict(model="m", trace="t", mode_asked="lop", executed_mode="lop", lost=False,
+                         latency_s=0.090, plan="lop:cut=input (all on server) enc=raw/none"))
+        rows.append(dict(model="m", trace="t", mode_asked="full_offload", executed_mode="full_offload",
+                         lost=False, latency_s=0.300, plan="codec=raw/none"))
+    # a fallback frame computed locally counts; two such frames are too few for a median
+    rows += [dict(model="m", trace="t", mode_asked="full_offload", executed_mode="local", lost=False,
+                  latency_s=0.5, plan="")] * 2
+    table = same_work_table(rows)
+    assert "| m | t | (2) | 20.0 (6) | 22.0 (6) | 1.10 |" in table, table
+    assert same_work_table([r for r in rows if r["mode_asked"] != "lop"]).count("| m |") == 0
 
 
 def test_compute_ratio():

@@ -113,6 +113,40 @@ def compute_ratio_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+#: the label every planner gives its all-on-robot plan (see Plan.describe)
+ALL_ON_ROBOT = "output (all on robot)"
+
+
+def ran_all_on_robot(row: dict) -> bool:
+    """The frame computed the whole model on the robot: a ``local`` frame (asked or
+    fallen back to), or a planner's all-local plan."""
+    return row.get("executed_mode") == "local" or ALL_ON_ROBOT in str(row.get("plan", ""))
+
+
+def same_work_table(rows: Sequence[dict], min_frames: int = 5) -> str:
+    """The noise floor of a run: per model and trace, the median latency of the frames that
+    computed the whole model on the robot, in each mode that ran at least ``min_frames``
+    of them, and the largest over the smallest of those medians. It is the same work
+    (the model's own forward on the same frames), so the spread is the testbed's: a mode
+    ratio smaller than it, in that cell, is not a measured difference."""
+    frames = [r for r in rows if not r.get("lost") and ran_all_on_robot(r)]
+    modes = sorted({r["mode_asked"] for r in frames})
+    lines = ["| model | trace | " + " | ".join(f"{m} ms (frames)" for m in modes) + " | max / min |",
+             "|---|---|" + "---|" * (len(modes) + 1)]
+    for (model, trace), rs in sorted(_group(frames, ("model", "trace")).items()):
+        cells, med = [], {}
+        for m in modes:
+            lat = [r["latency_s"] for r in rs if r["mode_asked"] == m]
+            if len(lat) >= min_frames:
+                med[m] = float(np.median(lat)) * 1e3
+            cells.append(f"{med[m]:.1f} ({len(lat)})" if m in med else (f"({len(lat)})" if lat else ""))
+        if len(med) < 2:
+            continue
+        lines.append(f"| {model} | {trace} | " + " | ".join(cells)
+                     + f" | {max(med.values()) / min(med.values()):.2f} |")
+    return "\n".join(lines)
+
+
 def predictor_table(traces: Sequence[object]) -> str:
     scored, rows = score_predictors(traces)
     names = [p.name for _, p in scored]
@@ -199,6 +233,10 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
            "## Results (medians unless p95; fps = frames / span, closed loop)\n",
            markdown_table(summary), "", "## Physical-limit check\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
     md += ["", "## Modes side by side (median latency)\n", comparison_table(frames), "",
+           "## Same work in every mode (the run's noise floor)\n",
+           "Median latency of the frames that computed the whole model on the robot, per mode "
+           "(at least 5 frames); a mode ratio within the cell's max / min is not a measured "
+           "difference.\n", same_work_table(frames), "",
            "## Robot / server compute\n", compute_ratio_table(frames), "",
            "## Planner prediction\n", prediction_table(frames)]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
