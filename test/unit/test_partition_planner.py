@@ -13,6 +13,7 @@ from robot_offload.errors import ConfigError
 from robot_offload.partition import profile as prof
 from robot_offload.partition.graph import capture
 from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, PlannerConfig, weighted_median,
+                                             weighted_quantile,
                                              PlanTable, bandwidth_buckets, best_plan, options,
                                              output_error_bound, predict)
 from robot_offload.partition.profile import CutProfile, Profile, output_error
@@ -384,11 +385,28 @@ def test_drift_tracker_weighs_short_work_against_the_whole_forward():
         DriftTracker(min_samples=3, window=2)
 
 
+def test_drift_tracker_does_not_hop_between_two_clusters_of_ratios():
+    """Whole forwards throttled once or twice under a CPU quota: ratios 0.7 and 1.4 in
+    turn, in runs of two. The median hops between the clusters; the planned factor stays
+    inside the samples' interquartile range, so nothing is re-planned."""
+    fwd = 0.020
+    t = DriftTracker(threshold=0.3, min_samples=3, reference_s={"robot": fwd})
+    fired = [t.observe("robot", fwd, fwd * r) for r in [0.7, 0.7, 1.4, 1.4] * 10]
+    assert not any(fired)
+    t.ratio["robot"] = 1.4                       # where a median of the last four can be
+    assert not t.drifted("robot")
+    # a real change: every forward now takes 2.5x
+    fired = [t.observe("robot", fwd, fwd * 2.5) for _ in range(4)]
+    assert fired[-1] and t.ratio["robot"] == pytest.approx(2.5)
+
+
 def test_weighted_median():
     assert weighted_median([(1.0, 1.0), (3.0, 1.0), (2.0, 1.0)]) == 2.0
     assert weighted_median([(1.0, 1.0), (3.0, 1.0)]) == 2.0
     assert weighted_median([(1.0, 0.2), (3.0, 1.0), (0.5, 0.2)]) == 3.0
     assert weighted_median([(5.0, 0.1)]) == 5.0
+    assert weighted_quantile([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0), (4.0, 1.0)], 0.25) == 1.5
+    assert weighted_quantile([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0), (4.0, 1.0)], 0.9) == 4.0
 
 
 def test_output_error():
