@@ -400,6 +400,19 @@ def test_drift_tracker_does_not_hop_between_two_clusters_of_ratios():
     assert fired[-1] and t.ratio["robot"] == pytest.approx(2.5)
 
 
+def test_drift_tracker_replan_of_one_side_keeps_the_other_sides_factor():
+    t = DriftTracker(threshold=0.3, min_samples=3)
+    for r in (1.2, 1.2, 1.2):           # the robot: 20 % off, within the threshold
+        assert not t.observe("robot", 0.010, 0.010 * r)
+    assert not t.observe("server", 0.010, 0.030) and not t.observe("server", 0.010, 0.030)
+    assert t.observe("server", 0.010, 0.030)
+    factors = t.accept()
+    assert factors == {"robot": 1.0, "server": pytest.approx(3.0)}
+    assert t.evidence["robot"] == 3.0 and t.evidence["server"] == 0.0
+    # with no side drifted (a forced re-plan) every side takes its ratio
+    assert t.accept() == {"robot": pytest.approx(1.2), "server": pytest.approx(3.0)}
+
+
 def test_weighted_median():
     assert weighted_median([(1.0, 1.0), (3.0, 1.0), (2.0, 1.0)]) == 2.0
     assert weighted_median([(1.0, 1.0), (3.0, 1.0)]) == 2.0
