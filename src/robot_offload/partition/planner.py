@@ -394,8 +394,8 @@ class DriftTracker:
     throttled), so it is no sign of the device's load. With one vote per frame,
     DenseNet-121's head to ``features_pool0`` (profiled 25 ms, measured 8-9 ms on the
     0.5-CPU robot) set the robot's factor at 0.3 whenever layer_partition ran that cut,
-    its whole forward (1.0) set it back, and the plans were rebuilt 16 times in one
-    benchmark run, each time with a near-local cut newly predicted fast enough to be run
+    its whole forward (1.0) set it back, and the plans were rebuilt again and again in
+    one benchmark run, each time with a near-local cut newly predicted fast enough to be run
     (120-150 ms where the bucket's plan ran 70-75); the robot factors of MobileNetV2
     swung between 0.65 and 2.0 and KAPAO's between 1.5 and 6.4 (docs/bench/lop-all15).
     A median, unlike a mean, also takes one throttled frame for what it is; and a ratio
