@@ -1023,7 +1023,10 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
         base = solve_grid(loss, 50e6, st.cfg, spatial_only=True)
         slow = solve_grid(loss, 50e6, dataclasses.replace(st.cfg, stripe_robot_load=2.0), spatial_only=True)
         assert base.spatial and slow.spatial and slow.share <= base.share
-        assert slow.robot_stripe_s > 0 and slow.server_stripe_s > 0
+        assert base.robot_stripe_s > 0 and slow.server_stripe_s > 0
+        # the slower robot may get no rows at all (how far the split moves depends on the
+        # profile measured on this machine); then it has no stripe to time
+        assert (slow.robot_stripe_s > 0) == (slow.share > 0)
         plan = dataclasses.replace(base, robot_stripe_s=base.robot_stripe_s / 3)
         for _ in range(3):
             y = backend.run_schedule(x, plan, FrameStats(), 120)
