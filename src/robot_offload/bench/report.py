@@ -8,6 +8,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from robot_offload.bandwidth import score_predictors
+from robot_offload.partition.graph import OUTPUT_CUT_LABEL
 from robot_offload.report import markdown_table, summarise
 
 KEYS = ("model", "trace", "mode_asked")
@@ -113,14 +114,10 @@ def compute_ratio_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-#: the label every planner gives its all-on-robot plan (see Plan.describe)
-ALL_ON_ROBOT = "output (all on robot)"
-
-
 def ran_all_on_robot(row: dict) -> bool:
     """The frame computed the whole model on the robot: a ``local`` frame (asked or
     fallen back to), or a planner's all-local plan."""
-    return row.get("executed_mode") == "local" or ALL_ON_ROBOT in str(row.get("plan", ""))
+    return row.get("executed_mode") == "local" or OUTPUT_CUT_LABEL in str(row.get("plan", ""))
 
 
 def same_work_table(rows: Sequence[dict], min_frames: int = 5) -> str:

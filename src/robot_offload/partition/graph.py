@@ -45,6 +45,8 @@ SHAPE_METHODS = ("size", "dim", "ndimension", "numel", "get_device")
 
 INPUT_CUT = "input"
 OUTPUT_CUT = "output"
+#: how the output cut (the whole model on the robot) describes itself in plans and stats
+OUTPUT_CUT_LABEL = "output (all on robot)"
 
 
 class CutError(ConfigError):
@@ -97,7 +99,7 @@ class Cut:
         if self.kind == INPUT_CUT:
             return "input (all on server)"
         if self.kind == OUTPUT_CUT:
-            return "output (all on robot)"
+            return OUTPUT_CUT_LABEL
         return f"after {self.last} ({len(self.crossing)} tensor{'s' if len(self.crossing) > 1 else ''})"
 
 
