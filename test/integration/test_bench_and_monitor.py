@@ -12,7 +12,7 @@ import pytest
 
 from robot_offload.bench.order import balanced_orders
 from robot_offload.bench.runner import wait_for_master
-from robot_offload.testbed import Testbed
+from robot_offload.testbed import Testbed, cgroup
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 
@@ -120,9 +120,12 @@ def test_bench_quick_writes_report(tmp_path):
     assert all(r["lost"] == "False" for r in rows)
     assert {r["executed_mode"] for r in rows if r["mode_asked"] == "full_offload"} == {"full_offload"}
     assert "modes interleaved" in report
-    # the robot's quota and its period are stated (the 100 ms period let bursts run at
-    # full speed); where no cgroup is writable the report says the CPU was not limited
-    assert ("robot side limited to 0.5 CPU" in report and "quota 10 ms per 20 ms period" in report
+    # the robot's quota, its period and the bandwidth slice are stated (long periods and
+    # slices let bursts run at full speed); where no cgroup is writable the report says
+    # the CPU was not limited
+    shape = ("quota 2 ms per 4 ms period, a 1 ms bandwidth slice" if cgroup.slice_settable()
+             else "quota 10 ms per 20 ms period, the kernel's bandwidth slice")
+    assert ("robot side limited to 0.5 CPU" in report and shape in report
             or "robot CPU NOT limited" in report), report[:3000]
     assert "50 ms of idle before every frame" in report
     for trace in ("const50M", "outdoor"):

@@ -263,14 +263,28 @@ def test_run_in_a_namespace_under_a_cpu_limit(tb):
 def test_profile_key_sees_the_cpu_quota():
     """A profile measured under the robot's quota must not be found by the same machine at
     full speed, or the other way round: machine_id's "cpus" reads the quota."""
-    show = "from robot_offload.partition.profile import machine_id; print(machine_id()['cpus'])"
+    show = ("from robot_offload.partition.profile import machine_id; m = machine_id(); "
+            "print(m['cpus']); print(m['cpu_quota'])")
     free = subprocess.run([sys.executable, "-c", show], stdout=subprocess.PIPE, text=True,
-                          check=True).stdout.strip()
-    assert float(free) == len(os.sched_getaffinity(0))
+                          check=True).stdout.splitlines()
+    assert float(free[0]) == len(os.sched_getaffinity(0)) and free[1] == ""
     with CpuLimit(0.5) as lim:
         proc = lim.popen([sys.executable, "-c", show], stdout=subprocess.PIPE, text=True)
-        limited = proc.communicate(timeout=60)[0].strip()
-    assert limited == "0.5", limited
+        limited = proc.communicate(timeout=60)[0].splitlines()
+        slice_us = cgroup.bandwidth_slice_us()
+    assert limited[0] == "0.5", limited
+    # the same 0.5 CPU over another period (or slice) is another machine too
+    assert limited[1] == f"period {lim.period_us} us, slice {slice_us} us", limited
+
+
+@pytest.mark.skipif(not cgroup.available() or not cgroup.slice_settable(),
+                    reason="no writable cgroup cpu controller or bandwidth slice")
+def test_cpu_limit_sets_the_kernel_slice_only_while_open():
+    before = cgroup.bandwidth_slice_us()
+    with CpuLimit(0.5) as lim:
+        assert (lim.period_us, lim.quota_us) == (cgroup.FINE_PERIOD_US, cgroup.FINE_PERIOD_US // 2)
+        assert cgroup.bandwidth_slice_us() == cgroup.FINE_SLICE_US
+    assert cgroup.bandwidth_slice_us() == before
 
 
 def _child_with_testbed(action):

@@ -8,9 +8,11 @@ from robot_offload.testbed import TestbedError, cgroup
 
 
 def test_quota_arithmetic():
-    # a 20 ms period: a burst shorter than the kernel's usual 100 ms period's quota would
-    # run at full speed, and the robot would not be slower at every instant
-    assert cgroup.DEFAULT_PERIOD_US == 20_000
+    # a 20 ms period where the slice cannot be set, 4 ms where it can: a burst shorter
+    # than the quota runs at full speed, and the robot would not be slower at every instant
+    assert cgroup.DEFAULT_PERIOD_US == 20_000 and cgroup.FINE_PERIOD_US == 4_000
+    assert cgroup.period_for_ratio(0.5, cgroup.FINE_PERIOD_US) == 4_000
+    assert cgroup.period_for_ratio(0.1, cgroup.FINE_PERIOD_US) == 10_000  # 1 ms quota
     assert cgroup.quota_for_ratio(0.25) == 5_000
     assert cgroup.quota_for_ratio(2.0, 50_000) == 100_000
     # the period grows where the 1 ms minimum quota needs it, up to 1 s
@@ -81,7 +83,7 @@ def test_cpu_limit_v1_writes_quota_and_removes_group(tmp_path):
     v1 = fake_v1(tmp_path)
     mech = cgroup.Mechanism("cgroup-v1", str(v1))
     with cgroup.CpuLimit(0.25, mechanism=mech, remove_dir=_remove_tree,
-                         proc_root=str(tmp_path / "noproc")) as lim:
+                         proc_root=str(tmp_path / "noproc"), slice_path=None) as lim:
         assert os.path.basename(lim.path).startswith(f"rotb-{os.getpid()}-")
         assert open(os.path.join(lim.path, "cpu.cfs_quota_us")).read() == "5000"
         assert open(os.path.join(lim.path, "cpu.cfs_period_us")).read() == "20000"
@@ -98,12 +100,45 @@ def test_cpu_limit_v2_writes_cpu_max_and_enables_controller(tmp_path):
     v2 = fake_v2(tmp_path)
     mech = cgroup.Mechanism("cgroup-v2", str(v2))
     with cgroup.CpuLimit(quota_us=50_000, period_us=200_000, mechanism=mech,
-                         remove_dir=_remove_tree) as lim:
+                         remove_dir=_remove_tree, slice_path=None) as lim:
         assert open(os.path.join(lim.path, "cpu.max")).read() == "50000 200000"
         assert (v2 / "cgroup.subtree_control").read_text() == "+cpu"
         assert lim.ratio == pytest.approx(0.25)
         path = lim.path
     assert not os.path.exists(path)
+
+
+def test_cpu_limit_sets_a_fine_slice_while_open_and_puts_it_back(tmp_path):
+    """Where the bandwidth slice can be written: a 4 ms period, the slice at 1 ms while
+    any limit is open, and the value found before back when the last one closes."""
+    v1 = fake_v1(tmp_path)
+    mech = cgroup.Mechanism("cgroup-v1", str(v1))
+    slice_file = tmp_path / "sched_cfs_bandwidth_slice_us"
+    slice_file.write_text("5000\n")
+    kw = dict(mechanism=mech, remove_dir=_remove_tree, proc_root=str(tmp_path / "noproc"),
+              slice_path=str(slice_file))
+    outer = cgroup.CpuLimit(0.5, **kw)
+    assert (outer.period_us, outer.quota_us, outer.slice_us) == (4_000, 2_000, 1_000)
+    assert slice_file.read_text().strip() == "5000"  # probing wrote the same value back
+    with outer:
+        assert open(os.path.join(outer.path, "cpu.cfs_period_us")).read() == "4000"
+        assert slice_file.read_text() == "1000"
+        with cgroup.CpuLimit(0.25, **kw) as inner:
+            assert inner.quota_us == 1_000
+        assert slice_file.read_text() == "1000"  # the outer limit still needs it
+    assert slice_file.read_text() == "5000"
+    outer.close()  # a second close does not release it twice
+    assert slice_file.read_text() == "5000"
+
+
+def test_cpu_limit_keeps_a_20ms_period_where_the_slice_cannot_be_set(tmp_path):
+    v1 = fake_v1(tmp_path)
+    mech = cgroup.Mechanism("cgroup-v1", str(v1))
+    for slice_path in (None, str(tmp_path / "missing"), str(tmp_path)):
+        lim = cgroup.CpuLimit(0.5, mechanism=mech, slice_path=slice_path)
+        assert (lim.period_us, lim.quota_us, lim.slice_us) == (20_000, 10_000, None)
+    assert not cgroup.slice_settable(str(tmp_path / "missing"))
+    assert cgroup.bandwidth_slice_us(str(tmp_path / "missing")) is None
 
 
 def test_cpu_limit_refuses_clearly_without_cgroups(tmp_path):
@@ -141,8 +176,11 @@ def test_quota_cpus_is_the_smallest_quota_on_the_path(tmp_path):
     (v2 / "a" / "b" / "cpu.max").write_text("max 100000")
     none = tmp_path / "none"
     assert cgroup.quota_cpus(7, str(v1), str(none), str(tmp_path / "proc")) == pytest.approx(0.5)
+    assert cgroup.quota_limit(7, str(v1), str(none), str(tmp_path / "proc")) == (
+        pytest.approx(0.5), 100_000)
     assert cgroup.quota_cpus(7, str(none), str(v2), str(tmp_path / "proc")) is None
-    (v2 / "a" / "cpu.max").write_text("25000 100000")
+    (v2 / "a" / "cpu.max").write_text("5000 20000")
     assert cgroup.quota_cpus(7, str(none), str(v2), str(tmp_path / "proc")) == pytest.approx(0.25)
     assert cgroup.quota_cpus(7, str(v1), str(v2), str(tmp_path / "proc")) == pytest.approx(0.25)
+    assert cgroup.quota_limit(7, str(v1), str(v2), str(tmp_path / "proc"))[1] == 20_000
     assert cgroup.quota_cpus(8, str(none), str(none), str(tmp_path / "proc")) is None

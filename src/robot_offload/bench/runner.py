@@ -70,8 +70,9 @@ class BenchConfig:
     min_span_s: float = 0.0          # a cell goes on past `frames` until its frames span
     max_frames: int = 0              # this long (s), up to `max_frames` (cheap models)
     settle_s: float = 2.5 * DEFAULT_PERIOD_US / 1e6   # robot idle before every frame (s):
-                                     # over two periods of its CPU quota (50 ms), so no frame
-                                     # starts on quota the frame before it used up
+                                     # over two of the longest periods its CPU quota may have
+                                     # (50 ms), so no frame starts on quota the frame before
+                                     # it used up
     paired_trace: bool = True        # interleaved modes: every mode's frame i starts at the
                                      # same point of the trace (Driver.seek, TraceReplayer.seek)
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
@@ -236,9 +237,12 @@ class BenchRunner:
             self.notes.append(f"robot CPU NOT limited (no writable cgroup: {mech.reason})")
             return nullcontext(None)
         lim = CpuLimit(ratio=cfg.robot_cpus)
+        piece = (f"a {lim.slice_us / 1000:g} ms bandwidth slice" if lim.slice_us else
+                 "the kernel's bandwidth slice, which could not be set")
         self.notes.append(f"robot side limited to {cfg.robot_cpus:g} CPU ({mech.kind}, quota "
-                          f"{lim.quota_us / 1000:g} ms per {lim.period_us / 1000:g} ms period); the "
-                          f"server side shares the remaining {os.cpu_count()}-CPU machine")
+                          f"{lim.quota_us / 1000:g} ms per {lim.period_us / 1000:g} ms period, "
+                          f"{piece}); the server side shares the remaining "
+                          f"{os.cpu_count()}-CPU machine")
         return lim
 
     def _run_model(self, tb, lim, model, server_env, robot_env) -> List[dict]:

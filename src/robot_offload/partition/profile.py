@@ -127,9 +127,24 @@ def cpu_budget() -> str:
     return f"{n if quota is None else min(n, quota):g}"
 
 
+def cpu_quota_shape() -> str:
+    """How a CPU quota is handed out: its period and the kernel's bandwidth slice (""
+    without a quota). 0.5 CPU over 20 ms ran a 15 ms forward in 16-36 ms, over 4 ms
+    with a 1 ms slice in 28-32 ms (testbed.cgroup), so they are other machines too."""
+    from robot_offload.testbed.cgroup import bandwidth_slice_us, quota_limit
+    try:
+        limit = quota_limit()
+    except (OSError, ValueError):
+        limit = None
+    if limit is None:
+        return ""
+    return f"period {limit[1]} us, slice {bandwidth_slice_us()} us"
+
+
 def machine_id(device: str = "cpu") -> Dict[str, str]:
     """What makes timings of this machine comparable: host, CPU model, torch, device,
-    threads, and the CPUs it may use (:func:`cpu_budget`)."""
+    threads, the CPUs it may use (:func:`cpu_budget`) and how a quota is handed out
+    (:func:`cpu_quota_shape`)."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -143,7 +158,8 @@ def machine_id(device: str = "cpu") -> Dict[str, str]:
     if dev.startswith("cuda") and torch.cuda.is_available():
         dev += ":" + torch.cuda.get_device_name(torch.device(dev))
     return {"host": socket.gethostname(), "cpu": cpu, "torch": torch.__version__,
-            "device": dev, "threads": str(torch.get_num_threads()), "cpus": cpu_budget()}
+            "device": dev, "threads": str(torch.get_num_threads()), "cpus": cpu_budget(),
+            "cpu_quota": cpu_quota_shape()}
 
 
 def profile_key(weights_hash: str, machine: Dict[str, str], input_shape: Sequence[int],

@@ -12,16 +12,29 @@
 ``ratio`` is in CPUs (0.25 = a quarter of one core, 2.0 = two cores), turned into
 ``quota = ratio * period``. Children a process forks later stay in its cgroup.
 
-The period is 20 ms (longer only where the kernel's 1 ms minimum quota needs it), not the
-kernel's usual 100 ms, because the quota stands in for a slower robot CPU, which is slower
-at every instant. With a 100 ms period, any burst shorter than the quota ran at full
-speed: a MobileNetV2 forward (36 ms alone on a core) took 40 ms when frames were spaced
-and 79 ms back to back under 0.5 CPU, so the profile (forwards back to back) predicted
-twice what the spaced frames of a benchmark then measured, and small models looked as
-fast on the "robot" as on the server. With 20 ms the same forward took 68-71 ms spaced
-and 78-86 ms back to back. Shorter periods cost more than they smooth: the kernel hands
-out quota in 5 ms slices (``sched_cfs_bandwidth_slice_us``), so a 5 ms period at 0.5 CPU
-ran that forward at 104 ms, 3x instead of 2x.
+The quota stands in for a slower robot CPU, which is slower at every instant, so it is
+handed out in short pieces: a 4 ms period (2 ms of quota at 0.5 CPU), with the kernel's
+CFS bandwidth slice (``kernel.sched_cfs_bandwidth_slice_us``, 5 ms by default) set to
+1 ms while a limit is open and put back when the last one closes. A burst shorter than
+the quota runs at full speed, and the kernel grants quota a slice at a time, so long
+periods and long slices make short work fast and its timings bimodal. MobileNetV2 (15 ms
+alone on a core), 40 forwards under 0.5 CPU, median [p10-p90] in ms:
+
+=====================  =====================  =====================
+period / slice         spaced 30 ms apart     back to back
+=====================  =====================  =====================
+100 ms / 5 ms          40 (36 ms alone then)  79
+20 ms / 5 ms           16-25 [15-29]          27-36 [23-38]
+4 ms / 1 ms            28-31 [24-32]          30-32 [26-34]
+2 ms / 1 ms            42 [36-43]             43 [39-47]
+=====================  =====================  =====================
+
+Only 4 ms / 1 ms is twice as slow spaced as back to back, with a narrow spread; with
+20 ms a spaced frame ran unthrottled half the time (16 ms), so a small model's latency
+flipped between two values from frame to frame and a profile (forwards back to back)
+did not predict a frame. Where the slice cannot be written (no root, a read-only
+``/proc/sys``), the period falls back to 20 ms (:data:`DEFAULT_PERIOD_US`), and
+:attr:`CpuLimit.slice_us` is None.
 
 Where no cgroup is writable (not root, no ``cpu`` controller), :func:`choose_mechanism`
 says "threads" and why; limiting threads (``torch.set_num_threads(threads_for_ratio(r))``)
@@ -31,6 +44,7 @@ is then the caller's job, and it only caps parallelism, not single-thread speed.
 import errno
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,7 +52,10 @@ from robot_offload.testbed._common import PREFIX, TestbedError, owner_pid, pid_a
 
 V1_ROOT = "/sys/fs/cgroup/cpu"
 V2_CANDIDATES = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
-DEFAULT_PERIOD_US = 20_000     # see the module docstring: why not the kernel's 100 ms
+DEFAULT_PERIOD_US = 20_000     # where the bandwidth slice cannot be set (module docstring)
+FINE_PERIOD_US = 4_000         # with a FINE_SLICE_US slice: slower at every instant
+FINE_SLICE_US = 1_000
+SLICE_SYSCTL = "/proc/sys/kernel/sched_cfs_bandwidth_slice_us"
 MIN_QUOTA_US = 1_000
 MAX_PERIOD_US = 1_000_000
 
@@ -52,13 +69,13 @@ class Mechanism:
     reason: str = ""
 
 
-def period_for_ratio(ratio):
-    """The CFS period (us) for ``ratio`` CPUs: :data:`DEFAULT_PERIOD_US`, or as long as
-    the 1 ms minimum quota needs (0.02 CPU: 50 ms), at most 1 s."""
+def period_for_ratio(ratio, base_period_us=DEFAULT_PERIOD_US):
+    """The CFS period (us) for ``ratio`` CPUs: ``base_period_us``, or as long as the 1 ms
+    minimum quota needs (0.02 CPU: 50 ms), at most 1 s."""
     ratio = float(ratio)
     if not ratio > 0:
         raise ValueError(f"ratio must be > 0 CPUs, got {ratio}")
-    return min(MAX_PERIOD_US, max(DEFAULT_PERIOD_US, math.ceil(MIN_QUOTA_US / ratio)))
+    return min(MAX_PERIOD_US, max(int(base_period_us), math.ceil(MIN_QUOTA_US / ratio)))
 
 
 def quota_for_ratio(ratio, period_us=None):
@@ -162,6 +179,14 @@ def quota_cpus(pid="self", v1_root=V1_ROOT, v2_root=V2_CANDIDATES[0], proc_root=
     the smallest quota of its cgroup and the cgroups above it, v1 ``cpu`` or v2
     ``cpu.max``. Profiles key on it (with the CPUs the process may run on): the same
     machine under another quota is, for timings, another machine."""
+    limit = quota_limit(pid, v1_root, v2_root, proc_root)
+    return None if limit is None else limit[0]
+
+
+def quota_limit(pid="self", v1_root=V1_ROOT, v2_root=V2_CANDIDATES[0], proc_root="/proc"):
+    """(CPUs, period in us) of the smallest quota on a process's cgroup path (see
+    :func:`quota_cpus`), or None for none. The period matters too: the same 0.5 CPU over
+    20 ms and over 4 ms run short work at different speeds (module docstring)."""
     best = None
     for kind, root in (("cgroup-v1", v1_root), ("cgroup-v2", v2_root)):
         path = _own_cgroup(pid, kind, proc_root)
@@ -176,28 +201,83 @@ def quota_cpus(pid="self", v1_root=V1_ROOT, v2_root=V2_CANDIDATES[0], proc_root=
                     quota, period = parse_cpu_max(_read(os.path.join(d, "cpu.max")))
             except (OSError, ValueError):
                 quota = None
-            if quota is not None and period > 0:
-                cpus = quota / period
-                best = cpus if best is None else min(best, cpus)
+            if quota is not None and period > 0 and (best is None or quota / period < best[0]):
+                best = (quota / period, period)
             if path in ("", "/"):
                 break
             path = os.path.dirname(path.rstrip("/")) or "/"
     return best
 
 
+_slice_lock = threading.Lock()
+_slice_holders = {}    # sysctl path -> [open limits holding it, the value found before]
+
+
+def slice_settable(path=SLICE_SYSCTL):
+    """True if the CFS bandwidth slice can be written here: its value is written back
+    unchanged, which fails where ``/proc/sys`` is read-only or we are not root."""
+    try:
+        _write(path, int(_read(path)))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def bandwidth_slice_us(path=SLICE_SYSCTL):
+    """The kernel's CFS bandwidth slice (us), or None where it cannot be read."""
+    try:
+        return int(_read(path))
+    except (OSError, ValueError):
+        return None
+
+
+def _hold_slice(slice_us, path):
+    """Set the (machine-wide) slice for an opening limit; the first holder saves the
+    value it replaces."""
+    with _slice_lock:
+        held = _slice_holders.get(path)
+        if held is None:
+            before = int(_read(path))
+            if before != slice_us:
+                _write(path, slice_us)
+            _slice_holders[path] = [1, before]
+        else:
+            held[0] += 1
+
+
+def _release_slice(path):
+    """The last limit to close puts the slice back as it found it."""
+    with _slice_lock:
+        held = _slice_holders.get(path)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] == 0:
+            del _slice_holders[path]
+            _write(path, held[1])
+
+
 class CpuLimit:
     """A cgroup with a CPU quota, holding the given pids; see the module docstring.
 
     ``mechanism`` defaults to :func:`choose_mechanism`; TestbedError (with the reasons)
-    if it is "threads". ``remove_dir`` and ``proc_root`` exist for tests on fake trees.
+    if it is "threads". ``slice_path`` is the bandwidth-slice sysctl (None: leave the
+    kernel's slice, and the period defaults to 20 ms). ``remove_dir``, ``proc_root`` and
+    ``slice_path`` exist for tests on fake trees.
     """
 
     def __init__(self, ratio=None, *, quota_us=None, period_us=None, pids=(),
-                 mechanism=None, prefix=PREFIX, remove_dir=os.rmdir, proc_root="/proc"):
+                 mechanism=None, prefix=PREFIX, remove_dir=os.rmdir, proc_root="/proc",
+                 slice_path=SLICE_SYSCTL):
         if (ratio is None) == (quota_us is None):
             raise ValueError("give exactly one of ratio (CPUs) or quota_us")
+        self._slice_path = slice_path
+        # The slice the group runs with while open (us), None where it cannot be set.
+        self.slice_us = FINE_SLICE_US if slice_path and slice_settable(slice_path) else None
+        self._holds_slice = False
         if period_us is None:
-            period_us = DEFAULT_PERIOD_US if ratio is None else period_for_ratio(ratio)
+            base = FINE_PERIOD_US if self.slice_us else DEFAULT_PERIOD_US
+            period_us = base if ratio is None else period_for_ratio(ratio, base)
         self.period_us = int(period_us)
         self.quota_us = (quota_for_ratio(ratio, self.period_us) if quota_us is None
                          else int(quota_us))
@@ -238,6 +318,12 @@ class CpuLimit:
                 self._enable_v2_cpu()
                 _write(os.path.join(self.path, "cpu.max"),
                        format_cpu_max(self.quota_us, self.period_us))
+            if self.slice_us:
+                try:
+                    _hold_slice(self.slice_us, self._slice_path)
+                except (OSError, ValueError) as e:
+                    raise TestbedError(f"cannot set {self._slice_path}: {e}") from e
+                self._holds_slice = True
             for pid in self._initial_pids:
                 self.add(pid)
         except BaseException:
@@ -301,6 +387,9 @@ class CpuLimit:
 
     def close(self):
         """Move remaining processes back to where they came from and remove the group."""
+        if self._holds_slice:
+            self._holds_slice = False
+            _release_slice(self._slice_path)
         if self.path is None:
             return
         path, self.path = self.path, None
