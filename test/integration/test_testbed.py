@@ -287,6 +287,26 @@ def test_cpu_limit_sets_the_kernel_slice_only_while_open():
     assert cgroup.bandwidth_slice_us() == before
 
 
+@pytest.mark.skipif(not cgroup.available() or not cgroup.slice_settable(),
+                    reason="no writable cgroup cpu controller or bandwidth slice")
+def test_cleanup_puts_back_the_slice_a_killed_process_left():
+    before = cgroup.bandwidth_slice_us()
+    code = ("import time; from robot_offload.testbed import CpuLimit; "
+            "lim = CpuLimit(0.5).open(); print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, **ENV})
+    OWNERS.add(child.pid)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert cgroup.bandwidth_slice_us() == cgroup.FINE_SLICE_US
+    finally:
+        child.kill()
+        child.wait(10)
+    assert cgroup.bandwidth_slice_us() == cgroup.FINE_SLICE_US  # SIGKILL: nothing could run
+    removed = cleanup()
+    assert removed["slice"] == before and cgroup.bandwidth_slice_us() == before
+
+
 def _child_with_testbed(action):
     """Start a python that opens a testbed, prints its namespace names, then `action`."""
     code = f"""

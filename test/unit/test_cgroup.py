@@ -108,27 +108,60 @@ def test_cpu_limit_v2_writes_cpu_max_and_enables_controller(tmp_path):
     assert not os.path.exists(path)
 
 
+def _fake_slice(tmp_path, value="5000\n"):
+    slice_file = tmp_path / "sched_cfs_bandwidth_slice_us"
+    slice_file.write_text(value)
+    state = tmp_path / "run"
+    state.mkdir()
+    return slice_file, state
+
+
 def test_cpu_limit_sets_a_fine_slice_while_open_and_puts_it_back(tmp_path):
     """Where the bandwidth slice can be written: a 4 ms period, the slice at 1 ms while
     any limit is open, and the value found before back when the last one closes."""
     v1 = fake_v1(tmp_path)
     mech = cgroup.Mechanism("cgroup-v1", str(v1))
-    slice_file = tmp_path / "sched_cfs_bandwidth_slice_us"
-    slice_file.write_text("5000\n")
+    slice_file, state = _fake_slice(tmp_path)
     kw = dict(mechanism=mech, remove_dir=_remove_tree, proc_root=str(tmp_path / "noproc"),
-              slice_path=str(slice_file))
+              slice_path=str(slice_file), slice_state_dir=str(state))
     outer = cgroup.CpuLimit(0.5, **kw)
     assert (outer.period_us, outer.quota_us, outer.slice_us) == (4_000, 2_000, 1_000)
     assert slice_file.read_text().strip() == "5000"  # probing wrote the same value back
     with outer:
         assert open(os.path.join(outer.path, "cpu.cfs_period_us")).read() == "4000"
         assert slice_file.read_text() == "1000"
+        # the value from before is on record for a crash (testbed cleanup)
+        assert (state / f"rotb-{os.getpid()}-0-slice").read_text() == "5000"
         with cgroup.CpuLimit(0.25, **kw) as inner:
             assert inner.quota_us == 1_000
         assert slice_file.read_text() == "1000"  # the outer limit still needs it
-    assert slice_file.read_text() == "5000"
+    assert slice_file.read_text() == "5000" and os.listdir(state) == []
     outer.close()  # a second close does not release it twice
     assert slice_file.read_text() == "5000"
+
+
+def test_slice_left_by_a_dead_process_is_put_back_once_no_live_one_holds_it(tmp_path):
+    slice_file, state = _fake_slice(tmp_path, "1000")
+    dead = 2 ** 22 + 7          # above any pid_max: never alive
+    live = os.getppid()
+    (state / f"rotb-{dead}-0-slice").write_text("5000")
+    (state / f"rotb-{live}-0-slice").write_text("5000")
+    (state / "unrelated-slice").write_text("1")
+    # another live run still holds it: the dead one's record goes, the slice stays
+    assert cgroup.restore_slice(str(slice_file), str(state)) is None
+    assert slice_file.read_text() == "1000"
+    assert sorted(os.listdir(state)) == [f"rotb-{live}-0-slice", "unrelated-slice"]
+    # a limit of this process while that run lives records the value from before it
+    v1 = fake_v1(tmp_path)
+    with cgroup.CpuLimit(0.5, mechanism=cgroup.Mechanism("cgroup-v1", str(v1)),
+                         remove_dir=_remove_tree, proc_root=str(tmp_path / "noproc"),
+                         slice_path=str(slice_file), slice_state_dir=str(state)):
+        assert (state / f"rotb-{os.getpid()}-0-slice").read_text() == "5000"
+    assert slice_file.read_text() == "1000"  # the other run still needs it
+    # once nobody lives to hold it (include_live: the other run counts as gone too)
+    assert cgroup.restore_slice(str(slice_file), str(state), include_live=True) == 5000
+    assert slice_file.read_text() == "5000"
+    assert os.listdir(state) == ["unrelated-slice"]
 
 
 def test_cpu_limit_keeps_a_20ms_period_where_the_slice_cannot_be_set(tmp_path):

@@ -21,10 +21,17 @@ __all__ = [
 
 
 def cleanup(*, include_live=False):
-    """Remove stale testbed namespaces and cgroups (of dead processes, or all).
+    """Remove stale testbed namespaces and cgroups (of dead processes, or all), and put back
+    the CFS bandwidth slice a dead run left changed.
 
-    Returns {"namespaces": [...], "cgroups": [...]} removed."""
-    from robot_offload.testbed.cgroup import cleanup_cgroups
+    Returns {"namespaces": [...], "cgroups": [...]} removed, and "slice": the CFS
+    bandwidth slice put back where a dead run had left it at 1 ms (None: none was)."""
+    from robot_offload.testbed.cgroup import cleanup_cgroups, restore_slice
 
-    return {"namespaces": cleanup_namespaces(include_live=include_live),
-            "cgroups": cleanup_cgroups(include_live=include_live)}
+    removed = {"namespaces": cleanup_namespaces(include_live=include_live),
+               "cgroups": cleanup_cgroups(include_live=include_live)}
+    try:
+        removed["slice"] = restore_slice(include_live=include_live)
+    except OSError:   # not root or a read-only /proc/sys: nothing of ours to put back
+        removed["slice"] = None
+    return removed

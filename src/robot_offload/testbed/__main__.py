@@ -154,10 +154,13 @@ def main(argv=None):
                          trace_duration_s=args.trace_duration_s, delay_ms=args.delay_ms)
     if args.cmd == "cleanup":
         removed = cleanup(include_live=args.all)
+        restored = removed.pop("slice", None)
         for kind, names in removed.items():
             for name in names:
                 print(f"removed {kind[:-1]} {name}")
-        if not any(removed.values()):
+        if restored is not None:
+            print(f"put the CFS bandwidth slice back to {restored} us")
+        if not any(removed.values()) and restored is None:
             print("nothing to clean up")
         return 0
     return write_traces(args.out, args.duration_s)

@@ -34,7 +34,10 @@ Only 4 ms / 1 ms is twice as slow spaced as back to back, with a narrow spread; 
 flipped between two values from frame to frame and a profile (forwards back to back)
 did not predict a frame. Where the slice cannot be written (no root, a read-only
 ``/proc/sys``), the period falls back to 20 ms (:data:`DEFAULT_PERIOD_US`), and
-:attr:`CpuLimit.slice_us` is None.
+:attr:`CpuLimit.slice_us` is None. The slice is machine-wide: a process that sets it
+records the value from before in ``/run/rotb-<pid>-0-slice``; the last live holder puts
+it back, and after a SIGKILL ``python -m robot_offload.testbed cleanup`` does
+(:func:`restore_slice`).
 
 Where no cgroup is writable (not root, no ``cpu`` controller), :func:`choose_mechanism`
 says "threads" and why; limiting threads (``torch.set_num_threads(threads_for_ratio(r))``)
@@ -56,6 +59,7 @@ DEFAULT_PERIOD_US = 20_000     # where the bandwidth slice cannot be set (module
 FINE_PERIOD_US = 4_000         # with a FINE_SLICE_US slice: slower at every instant
 FINE_SLICE_US = 1_000
 SLICE_SYSCTL = "/proc/sys/kernel/sched_cfs_bandwidth_slice_us"
+SLICE_STATE_DIR = "/run"       # where the value from before is kept (see _hold_slice)
 MIN_QUOTA_US = 1_000
 MAX_PERIOD_US = 1_000_000
 
@@ -210,7 +214,7 @@ def quota_limit(pid="self", v1_root=V1_ROOT, v2_root=V2_CANDIDATES[0], proc_root
 
 
 _slice_lock = threading.Lock()
-_slice_holders = {}    # sysctl path -> [open limits holding it, the value found before]
+_slice_holds = {}    # (sysctl path, state dir) -> open limits of this process holding it
 
 
 def slice_settable(path=SLICE_SYSCTL):
@@ -231,30 +235,79 @@ def bandwidth_slice_us(path=SLICE_SYSCTL):
         return None
 
 
-def _hold_slice(slice_us, path):
-    """Set the (machine-wide) slice for an opening limit; the first holder saves the
-    value it replaces."""
-    with _slice_lock:
-        held = _slice_holders.get(path)
-        if held is None:
-            before = int(_read(path))
-            if before != slice_us:
-                _write(path, slice_us)
-            _slice_holders[path] = [1, before]
-        else:
-            held[0] += 1
+def _slice_files(state_dir, prefix=PREFIX):
+    """{pid: (file, value saved)} of the processes that set the slice: each writes
+    ``<prefix>-<pid>-0-slice`` in ``state_dir`` holding the value it found, so that the
+    last one to let go, or :func:`restore_slice` after a crash, can put it back."""
+    found = {}
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return found
+    for name in names:
+        if not name.endswith("-slice"):
+            continue
+        pid = owner_pid(name)
+        path = os.path.join(state_dir, name)
+        try:
+            found[pid] = (path, int(_read(path)))
+        except (OSError, ValueError, TypeError):
+            continue
+    found.pop(None, None)
+    return found
 
 
-def _release_slice(path):
-    """The last limit to close puts the slice back as it found it."""
+def _hold_slice(slice_us, path, state_dir):
+    """Set the machine-wide slice for an opening limit. The first limit of a process
+    records the value from before any testbed process changed it (another live one's
+    record, or the sysctl itself)."""
+    key = (path, state_dir)
     with _slice_lock:
-        held = _slice_holders.get(path)
-        if held is None:
+        if _slice_holds.get(key):
+            _slice_holds[key] += 1
             return
-        held[0] -= 1
-        if held[0] == 0:
-            del _slice_holders[path]
-            _write(path, held[1])
+        others = {pid: v for pid, v in _slice_files(state_dir).items()
+                  if pid != os.getpid() and pid_alive(pid)}
+        before = next(iter(others.values()))[1] if others else int(_read(path))
+        _write(os.path.join(state_dir, f"{PREFIX}-{os.getpid()}-0-slice"), before)
+        if int(_read(path)) != slice_us:
+            _write(path, slice_us)
+        _slice_holds[key] = 1
+
+
+def _release_slice(path, state_dir):
+    """The last limit of the last process holding the slice puts it back."""
+    key = (path, state_dir)
+    with _slice_lock:
+        if not _slice_holds.get(key):
+            return
+        _slice_holds[key] -= 1
+        if _slice_holds[key] == 0:
+            del _slice_holds[key]
+            restore_slice(path, state_dir, mine=True)
+
+
+def restore_slice(path=SLICE_SYSCTL, state_dir=SLICE_STATE_DIR, *, mine=False,
+                  include_live=False):
+    """Remove the slice records of dead processes (this one's too with ``mine``, every
+    one with ``include_live``); once no live process holds the slice, put back the value
+    they found. Returns that value, or None if nothing was put back."""
+    files = _slice_files(state_dir)
+    live = set() if include_live else {
+        pid for pid in files if pid_alive(pid) and not (mine and pid == os.getpid())}
+    saved = None
+    for pid, (f, value) in files.items():
+        if pid in live:
+            continue
+        saved = value
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+    if live or saved is None:
+        return None
+    _write(path, saved)
+    return saved
 
 
 class CpuLimit:
@@ -262,16 +315,17 @@ class CpuLimit:
 
     ``mechanism`` defaults to :func:`choose_mechanism`; TestbedError (with the reasons)
     if it is "threads". ``slice_path`` is the bandwidth-slice sysctl (None: leave the
-    kernel's slice, and the period defaults to 20 ms). ``remove_dir``, ``proc_root`` and
-    ``slice_path`` exist for tests on fake trees.
+    kernel's slice, and the period defaults to 20 ms), ``slice_state_dir`` where the value
+    it replaced is recorded. ``remove_dir``, ``proc_root`` and the two slice paths exist
+    for tests on fake trees.
     """
 
     def __init__(self, ratio=None, *, quota_us=None, period_us=None, pids=(),
                  mechanism=None, prefix=PREFIX, remove_dir=os.rmdir, proc_root="/proc",
-                 slice_path=SLICE_SYSCTL):
+                 slice_path=SLICE_SYSCTL, slice_state_dir=SLICE_STATE_DIR):
         if (ratio is None) == (quota_us is None):
             raise ValueError("give exactly one of ratio (CPUs) or quota_us")
-        self._slice_path = slice_path
+        self._slice_path, self._slice_state_dir = slice_path, slice_state_dir
         # The slice the group runs with while open (us), None where it cannot be set.
         self.slice_us = FINE_SLICE_US if slice_path and slice_settable(slice_path) else None
         self._holds_slice = False
@@ -320,7 +374,7 @@ class CpuLimit:
                        format_cpu_max(self.quota_us, self.period_us))
             if self.slice_us:
                 try:
-                    _hold_slice(self.slice_us, self._slice_path)
+                    _hold_slice(self.slice_us, self._slice_path, self._slice_state_dir)
                 except (OSError, ValueError) as e:
                     raise TestbedError(f"cannot set {self._slice_path}: {e}") from e
                 self._holds_slice = True
@@ -389,7 +443,7 @@ class CpuLimit:
         """Move remaining processes back to where they came from and remove the group."""
         if self._holds_slice:
             self._holds_slice = False
-            _release_slice(self._slice_path)
+            _release_slice(self._slice_path, self._slice_state_dir)
         if self.path is None:
             return
         path, self.path = self.path, None
