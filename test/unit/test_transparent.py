@@ -209,6 +209,40 @@ class _Net(nn.Module):
         return self.b(h)
 
 
+class _PoolNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3)
+        self.k = 2
+
+    def forward(self, x):
+        return torch.nn.functional.avg_pool2d(torch.relu(self.a(x)), self.k)
+
+
+@pytest.mark.parametrize("early_replay", [True, False])
+def test_a_call_that_fails_its_compiled_check_diverges_and_stays_correct(early_replay):
+    """The robot checks most replayed calls by the check compiled for them
+    (session._compile_check). A call that differs there (another kernel size) must end
+    the speculation like any divergence, never be answered with the recorded shape."""
+    torch.manual_seed(0)
+    net = _PoolNet().eval()
+    sess = _session(early_replay=early_replay)
+    compiled = []
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(1, 3, 10, 10)
+            if i == 5:
+                net.k = 4
+                compiled = [c[0] for s in sess.recorder.sequences.values()
+                            for c in (s.robot_checks or []) if c is not None]
+            ref = net(x)
+            with sess:
+                y = net(x).cpu()
+            assert_same_as_local(y, ref)
+    assert torch.ops.aten.avg_pool2d.default in compiled, compiled
+    assert sess.stats.sequences_identified >= 1 and sess.stats.divergences == 1
+
+
 @pytest.mark.parametrize("early_replay", [True, False])
 def test_modified_weight_diverges_and_stays_correct(early_replay):
     torch.manual_seed(0)
@@ -269,6 +303,12 @@ def test_early_replay_overlaps_the_checks():
     assert all(done for _, done in early), seen
     replayed = [i for i in sess.stats.inferences if i.phase == "replaying"]
     assert replayed and all(i.round_trips == 1 for i in replayed)
+    # Each early-replayed inference says when it sent the replay, ended its checks and had
+    # the reply: the request left before the checks ended (here the call held it until then).
+    timed = [i for i in replayed if i.reply_ms is not None]
+    assert len(timed) == sess.stats.early_replays, replayed
+    assert all(i.early_sent_ms <= i.checks_end_ms and i.early_sent_ms <= i.reply_ms
+               for i in timed), timed
 
 
 def test_early_replay_stops_after_repeated_misses():

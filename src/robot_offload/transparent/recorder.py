@@ -64,6 +64,9 @@ class Sequence:
     # Content digest of each fresh robot input in the last replay (None: too large, or a
     # proxy): an input whose digest repeats is predicted by the next early replay.
     input_digests: Dict[int, Optional[str]] = field(default_factory=dict)
+    # The robot's compiled check of each call (session._compile_check; None: the generic
+    # match), built at the first replay.
+    robot_checks: Optional[list] = field(default=None, repr=False)
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
