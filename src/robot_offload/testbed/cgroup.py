@@ -35,9 +35,11 @@ flipped between two values from frame to frame and a profile (forwards back to b
 did not predict a frame. Where the slice cannot be written (no root, a read-only
 ``/proc/sys``), the period falls back to 20 ms (:data:`DEFAULT_PERIOD_US`), and
 :attr:`CpuLimit.slice_us` is None. The slice is machine-wide: a process that sets it
-records the value from before in ``/run/rotb-<pid>-0-slice``; the last live holder puts
-it back, and after a SIGKILL ``python -m robot_offload.testbed cleanup`` does
-(:func:`restore_slice`).
+records the value from before in ``/var/tmp/rotb-<pid>-0-slice``; the last live holder
+puts it back, and after a SIGKILL ``python -m robot_offload.testbed cleanup`` does
+(:func:`restore_slice`). Not /run: in a container the host's kernel, and so the slice,
+outlives a restart that empties the container's /run (seen: the slice stayed at 1 ms with
+no record left).
 
 Where no cgroup is writable (not root, no ``cpu`` controller), :func:`choose_mechanism`
 says "threads" and why; limiting threads (``torch.set_num_threads(threads_for_ratio(r))``)
@@ -59,7 +61,7 @@ DEFAULT_PERIOD_US = 20_000     # where the bandwidth slice cannot be set (module
 FINE_PERIOD_US = 4_000         # with a FINE_SLICE_US slice: slower at every instant
 FINE_SLICE_US = 1_000
 SLICE_SYSCTL = "/proc/sys/kernel/sched_cfs_bandwidth_slice_us"
-SLICE_STATE_DIR = "/run"       # where the value from before is kept (see _hold_slice)
+SLICE_STATE_DIR = "/var/tmp"   # where the value from before is kept (see _hold_slice)
 MIN_QUOTA_US = 1_000
 MAX_PERIOD_US = 1_000_000
 
