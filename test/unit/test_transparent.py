@@ -209,6 +209,19 @@ class _Net(nn.Module):
         return self.b(h)
 
 
+def test_a_compiled_value_list_takes_no_tensor_for_a_number():
+    """A list argument recorded as [2, 2] matches [2, 2] by its compiled check; a tensor
+    equal to 2 in its place (list equality would take it) and a tuple go to the generic
+    match, which decides them."""
+    from robot_offload.transparent.session import _compile_arg
+    sess = _session()
+    kind, want = _compile_arg({"l": [2, 2]})
+    assert sess._compiled_arg(None, kind, want, [2, 2])
+    assert not sess._compiled_arg(None, kind, want, [torch.tensor(2), 2])
+    assert not sess._compiled_arg(None, kind, want, [2, 3])
+    assert not sess._compiled_arg(None, kind, want, (2, 2))
+
+
 class _PoolNet(nn.Module):
     def __init__(self):
         super().__init__()

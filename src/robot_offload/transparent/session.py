@@ -884,6 +884,9 @@ class RemoteSession:
         if kind is _LIST:
             return type(a) in (list, tuple) and len(a) == len(want) and all(
                 self._compiled_arg(spec, k, w, v) for (k, w), v in zip(want, a))
+        if kind is _VALUES:   # element types first: a tensor equal to 2 must not pass as 2
+            values, types = want
+            return type(a) is list and tuple(map(type, a)) == types and a == values
         return type(a) is type(want) and a == want    # _VALUE
 
     def _rebuild_ret(self, actual, old_tensors):
@@ -1208,7 +1211,7 @@ class RemoteSession:
 
 
 #: Kinds of a compiled argument check (see _compile_check).
-_OUT, _CONST, _VALUE, _LIST = "out", "const", "value", "list"
+_OUT, _CONST, _VALUE, _VALUES, _LIST = "out", "const", "value", "values", "list"
 
 
 def _compile_arg(e):
@@ -1224,7 +1227,7 @@ def _compile_arg(e):
         return None           # an input of the sequence: the generic match binds it
     if isinstance(e, dict) and len(e) == 1 and isinstance(e.get("l"), list):
         if all(type(v) in _PLAIN_SCALARS for v in e["l"]):
-            return _VALUE, list(e["l"])
+            return _VALUES, (list(e["l"]), tuple(type(v) for v in e["l"]))
         items = [_compile_arg(v) for v in e["l"]]
         if all(i is not None and i[0] is not _LIST for i in items):
             return _LIST, items     # a list of tensors (cat, stack, index)
@@ -1236,8 +1239,9 @@ def _compile_check(op: dict, schema_of):
     the generic match must do it: (OpOverload, number of positional arguments, [(position,
     kind, wanted)]) with kinds _OUT (a proxy of this speculation's output (j, k)), _CONST (a
     tensor the server holds under handle h: a cached robot upload or a remote constant)
-    _VALUE (a plain value, or a list of them, compared by type and equality) and _LIST (a
-    list of such checks: the tensors of cat, stack or index).
+    _VALUE (a plain value, compared by type and equality), _VALUES (a list of them: its
+    element types, then equality) and _LIST (a list of such checks: the tensors of cat,
+    stack or index).
 
     Only calls with positional arguments alone, at least one _OUT argument (so the call is
     remote in any case) and only _OUT arguments in the positions the operator writes (so
