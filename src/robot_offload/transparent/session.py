@@ -796,11 +796,17 @@ class RemoteSession:
                     seq.input_digests[idx] = d
         # Answer from the record.
         ret = seq.rets[j]
-        out = self._decode_return(func, args, kwargs, ret, from_record=True)
+        meta = _single_new_tensor(ret)
+        if meta is not None:
+            # The usual return, one new tensor: its proxy without the generic decoding.
+            out = RemoteTensor(self, meta, None)
+            out_tensors = [out]
+        else:
+            out = self._decode_return(func, args, kwargs, ret, from_record=True)
+            out_tensors = [t for t in wire.leaves(out) if isinstance(t, RemoteTensor)]
         if self.local_fallback:
             self._attach_recipe(func, args, kwargs, out)
-        out_tensors = [t for t in wire.leaves(out) if isinstance(t, RemoteTensor)]
-        for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret))):
+        for k, (t, m) in enumerate(zip(out_tensors, _metas_in(ret) if meta is None else [meta])):
             if "a" not in m:
                 t._pending = t._origin = (spec, j, k)
                 spec.proxies[(j, k)] = weakref.ref(t)
@@ -1286,6 +1292,16 @@ def _same_shapes(actual, recorded) -> bool:
     def shapes(tree):
         return [(m.get("s"), m.get("d")) for m in _metas_in(tree)]
     return shapes(actual) == shapes(recorded)
+
+
+def _single_new_tensor(ret):
+    """The meta of a return tree that is one new tensor (not one of the call's inputs), or
+    None (any other return: the generic decoding)."""
+    if type(ret) is dict and len(ret) == 1:
+        meta = ret.get("t")
+        if meta is not None and "a" not in meta:
+            return meta
+    return None
 
 
 def _metas_in(tree) -> list:
