@@ -17,6 +17,7 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.protocol import ComputeRequest, StatusCode
 from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.transparent.server import content_digest
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
 
@@ -220,6 +221,35 @@ def test_a_compiled_value_list_takes_no_tensor_for_a_number():
     assert not sess._compiled_arg(None, kind, want, [torch.tensor(2), 2])
     assert not sess._compiled_arg(None, kind, want, [2, 3])
     assert not sess._compiled_arg(None, kind, want, (2, 2))
+
+
+def test_a_fresh_frame_each_replay_is_not_digested_every_time(monkeypatch):
+    """The content digest of a sequence input (for inputs that repeat, like RetinaNet's
+    anchors) comes before the early replay can leave; an input that changed in
+    VOLATILE_AFTER replays in a row is digested only every VOLATILE_RECHECK replays."""
+    from robot_offload.transparent import session as session_mod
+    digested = []
+
+    def counting_digest(t):
+        digested.append(tuple(t.shape))
+        return content_digest(t)
+    monkeypatch.setattr(session_mod, "content_digest", counting_digest)
+    torch.manual_seed(0)
+    net = _Net().eval()
+    sess = _session()
+    frames = 3 + session_mod.VOLATILE_AFTER + session_mod.VOLATILE_RECHECK
+    with torch.no_grad():
+        for i in range(frames):
+            x = torch.randn(1, 3, 8, 8)
+            ref = net(x)
+            with sess:
+                y = net(x).cpu()
+            assert_same_as_local(y, ref)
+    replays = sess.stats.replays
+    frame_digests = digested.count((1, 3, 8, 8))
+    assert replays >= session_mod.VOLATILE_AFTER + session_mod.VOLATILE_RECHECK - 1
+    # digested while it might still repeat, then at one recheck, not at every replay
+    assert frame_digests <= session_mod.VOLATILE_AFTER + 2 < replays, (frame_digests, replays)
 
 
 class _PoolNet(nn.Module):

@@ -53,7 +53,7 @@ MAX_SEQUENCES = 32
 def content_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes (the robot computes the same)."""
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())  # no copy
     return h.hexdigest()
 
 

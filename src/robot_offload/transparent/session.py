@@ -81,6 +81,10 @@ DIGEST_MIN_BYTES = 64 * 1024
 STABLE_MAX_BYTES = 4 * 1024 * 1024
 #: At most this many such inputs are kept per session (oldest dropped first).
 STABLE_MAX_INPUTS = 64
+#: An input whose content changed in this many replays in a row is taken for a fresh
+#: frame each time and digested only every VOLATILE_RECHECK replays (see _input_ref).
+VOLATILE_AFTER = 3
+VOLATILE_RECHECK = 16
 #: Tensor methods that need the values on the robot.
 _MATERIALIZING = frozenset({"numpy", "tolist", "__array__", "__repr__", "__format__", "cpu",
                             "__reduce_ex__", "data_ptr", "untyped_storage", "storage",
@@ -1048,10 +1052,21 @@ class RemoteSession:
         anchors and box-coder constants are rebuilt by the program every frame, after the
         first sync point) is kept on the server under one robot tensor of that content,
         uploaded once, so that the next early replay can name it before the program has
-        built it again (:meth:`_stable_handle`)."""
+        built it again (:meth:`_stable_handle`).
+
+        An input that changed in :data:`VOLATILE_AFTER` replays in a row (a camera frame)
+        is digested only every :data:`VOLATILE_RECHECK` replays: the digest (a sha256 of
+        the frame, 1-2 ms a megabyte on the robot) sits before the early replay can leave,
+        and a frame never repeats."""
+        changes = seq.input_changes.get(idx, 0)
+        if changes >= VOLATILE_AFTER and changes % VOLATILE_RECHECK:
+            seq.input_changes[idx] = changes + 1
+            seq.input_digests[idx] = None
+            return self._upload_ref(t, uploads)
         d = self._stable_digest(t)
         stable = d is not None and seq.input_digests.get(idx) == d
         seq.input_digests[idx] = d
+        seq.input_changes[idx] = 0 if stable else changes + 1
         if not stable:
             return self._upload_ref(t, uploads)
         keeper = self._stable.get(d)
