@@ -306,34 +306,30 @@ class RemoteSession:
     def dispatch(self, func, args, kwargs):
         with self._lock:
             spec = self._spec
-            if spec is not None and not kwargs and not self.down.is_set() \
-                    and self._compiled_match(spec, func, args):
-                # The next recorded call, verified by its compiled check: a replayed
-                # operator on this sequence's proxies (so remote, current, writing no
-                # robot tensor); the generic checks below would find the same.
-                try:
-                    return self._speculate(func, None, args, kwargs, checked=True)
-                except (TransportError, RemoteError) as e:
-                    if not self.local_fallback:
-                        raise
-                    self._server_lost(e)
-                return self._run_locally(func, args, kwargs)
-            flat = wire.leaves((args, kwargs))
-            if any(isinstance(a, RemoteTensor) and a._cell[1] != self._generation for a in flat):
-                # Proxies from before a reset: their server tensors are gone; recompute.
-                args, kwargs = tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor)
-                                        and a._cell[1] != self._generation else a, (args, kwargs))
+            # The next recorded call, verified by its compiled check: a replayed operator on
+            # this sequence's proxies (so remote, current, writing no robot tensor), which
+            # the generic checks below would pass too.
+            checked = (spec is not None and not kwargs and not self.down.is_set()
+                       and self._compiled_match(spec, func, args))
+            if not checked:
                 flat = wire.leaves((args, kwargs))
-            remote = any(isinstance(a, RemoteTensor) for a in flat)
-            if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
-                # Robot tensors only and no weight: the program's own work (building the
-                # input, bookkeeping) stays on the robot; and a view of a weight stays a view
-                # of robot memory (programs write through them: YOLO's bias initialisation).
-                self.stats.ops_local += 1
-                return func(*args, **kwargs)
-            if self._writes_robot_tensor(func, args, kwargs) or self.down.is_set():
-                return self._run_locally(func, args, kwargs)
+                if any(isinstance(a, RemoteTensor) and a._cell[1] != self._generation for a in flat):
+                    # Proxies from before a reset: their server tensors are gone; recompute.
+                    args, kwargs = tree_map(lambda a: self.materialize(a) if isinstance(a, RemoteTensor)
+                                            and a._cell[1] != self._generation else a, (args, kwargs))
+                    flat = wire.leaves((args, kwargs))
+                remote = any(isinstance(a, RemoteTensor) for a in flat)
+                if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
+                    # Robot tensors only and no weight: the program's own work (building the
+                    # input, bookkeeping) stays on the robot; and a view of a weight stays a view
+                    # of robot memory (programs write through them: YOLO's bias initialisation).
+                    self.stats.ops_local += 1
+                    return func(*args, **kwargs)
+                if self._writes_robot_tensor(func, args, kwargs) or self.down.is_set():
+                    return self._run_locally(func, args, kwargs)
             try:
+                if checked:
+                    return self._speculate(func, None, args, kwargs, checked=True)
                 if self.mode == "record_replay":
                     return self._record_replay(func, args, kwargs)
                 return self._transparent(func, args, kwargs)
