@@ -1119,7 +1119,7 @@ class RemoteSession:
         sequence matched, no value or sync result is asked for, and the program holds only
         outputs the reply kept. Otherwise release what it kept and make the next replay
         start from the first operator again (False)."""
-        if self.stats.inferences:
+        if self.stats.inferences and spec.pos == spec.seq.n_ops:   # not a value asked mid-way
             self.stats.inferences[-1].mark("checks_end_ms")
         result, response = self._early_reply(spec)
         if result is None:
