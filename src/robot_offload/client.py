@@ -55,6 +55,8 @@ class ClientConfig:
     probe_every: int = 20           # ... again every this many frames of a bucket; 0 = never
     probe_known_margin: float = 0.10   # ... unless, both having run, its prediction corrected by
                                     # its measured error is this much slower than the plan's
+    lop_spatial_margin: float = 0.03   # lop serves a spatial schedule only where its measured
+                                    # median is this much below the best layer partition's
     profile_dir: str = ""           # profile cache; "" = ~/.cache/robot_offload/profiles
     profile_refresh: bool = False   # measure the profile again instead of loading it
     partition_codecs: Sequence[str] = ()        # activation codecs to consider; () = default set
@@ -81,10 +83,11 @@ class ClientConfig:
             raise ConfigError(f"unknown objective {self.objective!r}; known: ['latency', 'energy']")
         if not (self.error_tolerance >= 0 and self.bandwidth_bps_default > 0 and self.server_speedup > 0
                 and self.rtt_s >= 0 and self.replan_threshold > 0 and self.probe_margin >= 0
-                and self.probe_known_margin >= 0 and int(self.probe_every) >= 0):
+                and self.probe_known_margin >= 0 and int(self.probe_every) >= 0
+                and self.lop_spatial_margin >= 0):
             raise ConfigError("need error_tolerance >= 0, bandwidth_bps_default > 0, server_speedup > 0, "
                               "rtt_s >= 0, replan_threshold > 0, probe_margin >= 0, "
-                              "probe_known_margin >= 0 and probe_every >= 0")
+                              "probe_known_margin >= 0, probe_every >= 0 and lop_spatial_margin >= 0")
         for name, values, known in (("partition_codecs", self.partition_codecs, CODECS),
                                     ("partition_compressions", self.partition_compressions, COMPRESSIONS)):
             bad = [v for v in values if v not in known]

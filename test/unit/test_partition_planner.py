@@ -620,3 +620,80 @@ def test_measured_choice_leads_a_new_bucket_with_the_fastest_corrected_predictio
         else:
             # the plan first, then the alternative (a close call, not ruled out) as a probe
             assert ran[0] == ("plan", False) and ("alt", True) in ran, ran
+
+
+class _Plan:
+    """What MeasuredChoice needs of a plan: a key, a predicted latency, whether it crosses
+    the link."""
+
+    def __init__(self, key, latency_s, link_free=False):
+        self.key, self.latency_s, self.link_free = key, latency_s, link_free
+
+    def describe(self):
+        return self.key
+
+
+def test_an_alternative_measured_faster_here_stays_a_candidate():
+    """Once an alternative has its samples in a bucket, its measured median decides whether
+    it stays a candidate, not its prediction: one predicted far slower than the plan but
+    measured faster is served; one measured more than ``margin`` slower is dropped."""
+    plan, alt = _Plan("plan", 0.030), _Plan("alt", 0.060)     # alt: no close call
+    m = MeasuredChoice(margin=0.0, every=100, window=3, min_samples=2)
+    for _ in range(2):
+        m.observe(0, plan, 0.030)
+        m.observe(0, alt, 0.025)
+    assert not m.close_call(plan, alt) and alt.latency_s > m.median_s(0, plan)
+    assert m.candidate(0, plan, alt)
+    assert m.choose(0, plan, [alt]) == (alt, False)
+    slow = MeasuredChoice(margin=0.25, every=100, window=3, min_samples=2)
+    for _ in range(2):
+        slow.observe(0, plan, 0.030)
+        slow.observe(0, _Plan("alt", 0.031), 0.040)      # a close call, measured 1.33x
+    assert not slow.candidate(0, plan, _Plan("alt", 0.031))
+    assert slow.choose(0, plan, [_Plan("alt", 0.031)]) == (plan, False)
+
+
+def test_a_neighbouring_buckets_fastest_plan_is_timed_in_a_new_bucket():
+    """The bandwidth estimate hops between neighbouring buckets: the plan a neighbour serves
+    as its fastest is timed in a bucket whose own plan measures slower, though it is no
+    close call there and its corrected prediction rules it out; buckets that are not
+    neighbours (or not integers) are not affected."""
+    plan, alt = _Plan("plan", 0.030), _Plan("alt", 0.060)
+    truth = {"plan": 0.030, "alt": 0.024}
+
+    def run(bucket_seen, bucket_new):
+        m = MeasuredChoice(margin=0.0, every=100, window=3, min_samples=2, known_margin=0.10)
+        # in bucket_seen alt is the plan (as the input cut is where the estimate is higher)
+        for _ in range(3):
+            p, _probe = m.choose(bucket_seen, alt, [plan])
+            m.observe(bucket_seen, p, truth[p.key])
+        for _ in range(2):
+            m.observe(bucket_new, plan, truth["plan"])
+        ran = []
+        for _ in range(5):
+            p, probe = m.choose(bucket_new, plan, [alt])
+            ran.append((p.key, probe))
+            m.observe(bucket_new, p, truth[p.key])
+        return m, ran
+
+    m, ran = run(4, 5)
+    assert not m.close_call(plan, alt) and m.nearby_best(5, alt) and not m.nearby_best(5, plan)
+    # one probe, then served: it measured faster than the plan
+    assert ran == [("alt", True)] + [("alt", False)] * 4, ran
+    for seen, new in ((4, 6), ("a", "b")):
+        _m, ran = run(seen, new)
+        assert all(k == "plan" for k, _ in ran), ran
+
+
+def test_a_handicapped_plan_must_measure_that_much_faster():
+    """``handicap`` (lop's spatial schedules): served only where its median times the factor
+    is below the others'."""
+    plan, alt = _Plan("spatial", 0.030), _Plan("cut", 0.030)
+    for spatial_s, served in ((0.0295, "cut"), (0.0285, "spatial")):
+        m = MeasuredChoice(margin=1e9, every=100, window=3, min_samples=2)
+        for _ in range(2):
+            m.observe(0, plan, spatial_s)
+            m.observe(0, alt, 0.030)
+        p, probe = m.choose(0, plan, [alt], handicap={"spatial": 1.03})
+        assert (p.key, probe) == (served, False)
+        assert m.choose(0, plan, [alt]) == (plan, False)      # no handicap: the faster median

@@ -526,7 +526,10 @@ class MeasuredChoice:
     probes the bucket serves
     the candidate whose median of the last ``window`` measured latencies is lowest. A probe
     is a real frame (its outputs are used); it costs at most ``margin`` more than the
-    prediction said, or less than the plan measures. Measurements are kept per plan key
+    prediction said, or less than the plan measures. Once a candidate has its samples in
+    a bucket, its median there, not its prediction, keeps it a candidate; the plan a
+    neighbouring bucket serves as its fastest is timed in a bucket that has not run it
+    (:meth:`nearby_best`). Measurements are kept per plan key
     (cut and encoding), so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
     (all local) is measured once for every bucket: its latency does not depend on the link,
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
@@ -547,6 +550,7 @@ class MeasuredChoice:
         self._error: Dict[object, deque] = {}
         self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
         self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
+        self._best: Dict[object, object] = {}  # bucket -> key of its fastest measured plan
         self.probes = 0
         #: why the last :meth:`choose` picked what it did, for the frame's stats: ``reason``
         #: (planned, lead, fewer samples, periodic probe, fastest measured) and the
@@ -559,10 +563,19 @@ class MeasuredChoice:
                 and alternative.latency_s <= plan.latency_s * (1 + self.margin))
 
     def candidate(self, bucket, plan, alternative) -> bool:
-        """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``: a close
-        call; one predicted faster than the plan's measured median; or a link-free plan
-        (all local) until it has ``min_samples`` measurements, and after that while its
-        measured median is within ``margin`` of the plan's.
+        """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``.
+
+        Measured here (``min_samples`` frames): while its median is within ``margin`` of
+        the plan's. Its latency in this bucket is the best evidence there is, whatever was
+        predicted: an alternative that ran faster than the plan here used to be dropped
+        when it was no close call by prediction, and the bucket went back to the slower
+        plan (MobileNetV2 at 100 Mbit/s in docs/bench/lop-all18: the input cut measured
+        25 ms, served a cut measured 30).
+
+        Not yet measured here: the plan a neighbouring bucket serves as the fastest it
+        measured (:meth:`nearby_best`); a close call; one predicted faster than the plan's
+        measured median; all local whatever its prediction -- unless :meth:`ruled_out`
+        (never for the neighbour's pick).
 
         All local is the one alternative measured whatever its prediction, because being
         wrong about it is what costs most on the small models (MobileNetV2, RegNetY: a
@@ -572,20 +585,35 @@ class MeasuredChoice:
         pays ``min_samples`` frames of it once, not once per bucket."""
         if alternative is None or alternative.key == plan.key:
             return False
-        if self._count(bucket, alternative) == 0 and self.ruled_out(plan, alternative):
+        n = self._count(bucket, alternative)
+        ref = self.median_s(bucket, plan)
+        if n >= self.min_samples:
+            return ref is None or self.median_s(bucket, alternative) <= ref * (1 + self.margin)
+        if self.nearby_best(bucket, alternative):
+            return True
+        if n == 0 and self.ruled_out(plan, alternative):
             return False
         if self.close_call(plan, alternative):
             return True
-        ref = self.median_s(bucket, plan)
         if not getattr(alternative, "link_free", False):
             # Or the plan measures slower than the alternative is predicted: the
             # prediction that ruled it out is wrong (lop's LOSS chose all local under a
             # robot load factor of 0.5, measured 80 ms, while the layer partition it
             # ruled out, predicted 50 ms, ran 55 ms and was never timed).
             return ref is not None and alternative.latency_s < ref
-        if self._count(bucket, alternative) < self.min_samples:
-            return True
-        return ref is not None and self.median_s(bucket, alternative) <= ref * (1 + self.margin)
+        return True
+
+    def nearby_best(self, bucket, plan) -> bool:
+        """``plan`` is what a neighbouring bucket (index +-1, one bandwidth step) served
+        last as the fastest it measured. The bandwidth estimate hops between neighbouring
+        buckets every few frames, and their plans' latencies differ by a bandwidth step
+        at most; a bucket that had never timed its neighbour's fastest plan kept serving
+        its own plan, measured slower (DenseNet-121 at 50 Mbit/s, docs/bench/lop-all18:
+        lop's spatial schedule at 86 ms for 7 frames while the input cut ran 74 ms in the
+        next bucket). Buckets that are not integers have no neighbours."""
+        if not isinstance(bucket, int):
+            return False
+        return any(self._best.get(b) == plan.key for b in (bucket - 1, bucket + 1))
 
     def corrected_s(self, plan) -> Optional[float]:
         """``plan``'s prediction times the median measured / predicted ratio of its last
@@ -647,8 +675,12 @@ class MeasuredChoice:
                 best, best_s = a, s
         return best
 
-    def choose(self, bucket, plan, alternatives) -> Tuple[object, bool]:
-        """(the plan to run, whether it is a probe)."""
+    def choose(self, bucket, plan, alternatives,
+               handicap: Optional[Dict[object, float]] = None) -> Tuple[object, bool]:
+        """(the plan to run, whether it is a probe). ``handicap``: plan key -> a factor
+        (>= 1) its measured median is multiplied by when the candidates are ranked: a plan
+        that must measure that much faster than the others to be served (lop gives its
+        spatial schedules one, see :class:`~robot_offload.backends.lop.LopBackend`)."""
         alternatives = list(alternatives or ())
         lead = self.lead(bucket, plan, alternatives)
         led = lead is not plan
@@ -665,7 +697,10 @@ class MeasuredChoice:
         if len(cands) == 1 or medians[plan.key] is None:
             self.last["reason"] = "lead" if led else "planned"
             return plan, False
-        best = min((c for k, c in cands.items() if medians[k] is not None), key=lambda c: medians[c.key])
+        handicap = handicap or {}
+        best = min((c for k, c in cands.items() if medians[k] is not None),
+                   key=lambda c: medians[c.key] * max(1.0, handicap.get(c.key, 1.0)))
+        self._best[bucket] = best.key
         others = [c for c in cands.values() if c.key != best.key]
         under = [c for c in others if self._count(bucket, c) < self.min_samples]
         if under or self._since.get(bucket, 0) >= self.every:
