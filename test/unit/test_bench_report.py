@@ -34,6 +34,31 @@ def test_comparison_ratios():
     assert cells[6] == "0.75"          # 450 / min(1100, 600)
     assert cells[7] == "0.73"          # 330 / 450
     assert cells[8] == "0.73"          # 330 / min(600, 450, 1100)
+    assert cells[9] == "n/a"           # 3 frames: too few for an interval
+
+
+def test_the_ratio_interval_pairs_frames_and_says_when_a_ratio_is_noise():
+    import numpy as np
+    from robot_offload.bench.report import paired_ratio_ci
+    rng = np.random.default_rng(1)
+    base = 0.030 * (1 + 0.4 * rng.random(40))       # a drifting machine: 30-42 ms frames
+
+    def rows(values):
+        return [dict(frame=i, latency_s=float(v)) for i, v in enumerate(values)]
+    # 0.9x of the same frames: a tight interval around 0.9 (the pairing removes the drift)
+    lo, hi = paired_ratio_ci(rows(0.9 * base), rows(base))
+    assert 0.89 <= lo <= 0.9 <= hi <= 0.91, (lo, hi)
+    # the same distribution, independent noise: the interval holds 1.0 and is wide
+    lo, hi = paired_ratio_ci(rows(base), rows(0.030 * (1 + 0.4 * rng.random(40))))
+    assert lo < 1.0 < hi and hi - lo > 0.05, (lo, hi)
+    # only frames both modes ran count; fewer than 5: no interval
+    assert all(np.isnan(paired_ratio_ci(rows(base[:4]), rows(base))))
+    table = comparison_table([dict(model="m", trace="t", mode_asked=m, lost=False, frame=i,
+                                   latency_s=float(v * (0.9 if m == "lop" else 1.0)))
+                              for m in ("lop", "layer_partition") for i, v in enumerate(base)])
+    row = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    lo, hi = map(float, row[-1].split("-"))
+    assert row[-2] == "0.90" and lo <= 0.90 <= hi and hi - lo < 0.03, row
 
 
 def test_prediction_error_and_plans():

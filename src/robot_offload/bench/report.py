@@ -61,8 +61,8 @@ def comparison_table(rows: Sequence[dict]) -> str:
     frames = [r for r in rows if not r.get("lost")]
     modes = sorted({r["mode_asked"] for r in frames})
     lines = ["| model | trace | " + " | ".join(f"{m} ms" for m in modes)
-             + " | LP / min(local, full) | lop / LP | lop / best other |",
-             "|---|---|" + "---|" * (len(modes) + 3)]
+             + " | LP / min(local, full) | lop / LP | lop / best other | its 95 % CI |",
+             "|---|---|" + "---|" * (len(modes) + 4)]
     for (model, trace), rs in sorted(_group(frames, ("model", "trace")).items()):
         med = {m: float(np.median([r["latency_s"] for r in rs if r["mode_asked"] == m])) * 1e3
                for m in modes if any(r["mode_asked"] == m for r in rs)}
@@ -72,11 +72,40 @@ def comparison_table(rows: Sequence[dict]) -> str:
             return f"{med[a] / min(bs):.2f}" if a in med and bs else "n/a"
 
         others = [m for m in med if m != "lop"]
+        ci = "n/a"
+        if "lop" in med and others:
+            best = min(others, key=lambda m: med[m])
+            lo, hi = paired_ratio_ci([r for r in rs if r["mode_asked"] == "lop"],
+                                     [r for r in rs if r["mode_asked"] == best])
+            ci = f"{lo:.2f}-{hi:.2f}" if np.isfinite(lo) else "n/a"
         lines.append(f"| {model} | {trace} | " + " | ".join(f"{med[m]:.0f}" if m in med else "n/a"
                                                            for m in modes)
                      + f" | {ratio('layer_partition', ['local', 'full_offload'])}"
-                     f" | {ratio('lop', ['layer_partition'])} | {ratio('lop', others)} |")
+                     f" | {ratio('lop', ['layer_partition'])} | {ratio('lop', others)} | {ci} |")
     return "\n".join(lines)
+
+
+def paired_ratio_ci(a_rows: Sequence[dict], b_rows: Sequence[dict], level: float = 0.95,
+                    n_boot: int = 2000, seed: int = 0):
+    """A bootstrap confidence interval of median(a) / median(b) latency, resampling the
+    frame numbers both modes ran (with ``--interleave`` frame i of every mode ran back to
+    back, so a drift of the shared machine moves both; resampling pairs keeps that).
+    (nan, nan) with fewer than 5 common frames. Why: on 30 ms frames the testbed's
+    frame-to-frame spread is 10-20 %, so a 1.04x ratio of medians over 40 frames is no
+    measured difference unless its interval says so."""
+    a = {r.get("frame"): r["latency_s"] for r in a_rows}
+    b = {r.get("frame"): r["latency_s"] for r in b_rows}
+    a.pop(None, None)
+    b.pop(None, None)
+    common = sorted(set(a) & set(b))
+    if len(common) < 5:
+        return float("nan"), float("nan")
+    av = np.array([a[f] for f in common], dtype=float)
+    bv = np.array([b[f] for f in common], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(common), size=(n_boot, len(common)))
+    ratios = np.median(av[idx], axis=1) / np.median(bv[idx], axis=1)
+    tail = (1.0 - level) / 2.0
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
 
 
 def prediction_table(rows: Sequence[dict]) -> str:
