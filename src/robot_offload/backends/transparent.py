@@ -63,8 +63,9 @@ class _OperatorBackend(Backend):
                                       "sequences_identified": sess.stats.sequences_identified,
                                       "ops_replayed_total": sess.stats.ops_replayed,
                                       "not_static": sess.not_static}
-        if len(sess.stats.inferences) > n_before and sess.stats.inferences[-1].timeline():
-            stats.extra["transparent"]["timeline_ms"] = sess.stats.inferences[-1].timeline()
+        timeline = sess.stats.inferences[-1].timeline() if len(sess.stats.inferences) > n_before else None
+        if timeline:
+            stats.extra["transparent"]["timeline_ms"] = timeline
         return y
 
     def close(self):

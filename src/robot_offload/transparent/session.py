@@ -377,27 +377,16 @@ class RemoteSession:
             # replayed call).
             r_args = []
             for a in args:
-                if type(a) is RemoteTensor:
-                    if a._recipe is not None:
-                        a = _Ingredient(a._recipe)
-                    elif a._value is not None:
-                        a = a._value
-                    else:
-                        return
-                elif type(a) in (list, tuple, dict):
+                if type(a) in (list, tuple, dict):
                     break
+                a = _ingredient(a)
+                if type(a) is RemoteTensor:
+                    return
                 r_args.append(a)
             else:
                 out._recipe = (_Recipe(func, r_args, {}), 0)
                 return
-
-        def ingredient(a):
-            if isinstance(a, RemoteTensor):
-                if a._recipe is not None:
-                    return _Ingredient(a._recipe)
-                return a if a._value is None else a._value
-            return a
-        r_args, r_kwargs = tree_map(ingredient, (list(args), kwargs))
+        r_args, r_kwargs = tree_map(_ingredient, (list(args), kwargs))
         if any(isinstance(a, RemoteTensor) for a in tree_flatten((r_args, r_kwargs))[0]):
             return
         recipe = _Recipe(func, r_args, r_kwargs)
@@ -1351,6 +1340,16 @@ def _metas_in(tree) -> list:
         elif isinstance(node, dict) and len(node) == 1 and "l" in node:
             stack.extend(reversed(node["l"]))
     return out
+
+
+def _ingredient(a):
+    """A call argument as a recipe holds it: a proxy becomes its own recipe's output, or
+    its downloaded values; a proxy with neither stays a proxy (then no recipe is made)."""
+    if type(a) is RemoteTensor:
+        if a._recipe is not None:
+            return _Ingredient(a._recipe)
+        return a if a._value is None else a._value
+    return a
 
 
 class _Ingredient:
