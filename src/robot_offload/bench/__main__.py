@@ -33,6 +33,10 @@ def main(argv=None):
     ap.add_argument("--traces", nargs="+", help="const:MBPS, indoor, outdoor, iperf:PATH, csv:PATH")
     ap.add_argument("--frames", type=int)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup-for", action="append", default=[], metavar="MODE=N",
+                    help="another number of warm-up frames for one mode, e.g. transparent=1: "
+                         "it learns nothing, and at a long RTT each of its frames takes tens "
+                         "of seconds")
     ap.add_argument("--robot-cpus", type=float, default=0.5, help="CPU quota of the robot side (0 = none)")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="client deadline per frame")
     ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W",
@@ -77,6 +81,12 @@ def main(argv=None):
     for item in args.input_size:
         model, _, dims = item.partition("=")
         sizes[model] = [int(d) for d in dims.split(",")]
+    warmup_for = {}
+    for item in args.warmup_for:
+        mode, _, count = item.partition("=")
+        if not count.isdigit():
+            ap.error(f"--warmup-for wants MODE=N, got {item!r}")
+        warmup_for[mode] = int(count)
 
     try:
         from tqdm import tqdm
@@ -92,7 +102,7 @@ def main(argv=None):
         else:
             print(text, file=sys.stderr)
 
-    cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, robot_cpus=args.robot_cpus,
+    cfg = BenchConfig(out_dir=args.out, warmup=args.warmup, warmup_for=warmup_for, robot_cpus=args.robot_cpus,
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
                       delay_ms=args.delay_ms, interleave=args.interleave,
                       paired_trace=not args.no_paired_trace, pin_cpus=args.pin_cpus,

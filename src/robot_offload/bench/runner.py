@@ -55,6 +55,7 @@ class BenchConfig:
     out_dir: str
     frames: int = 20
     warmup: int = 3
+    warmup_for: Dict[str, int] = field(default_factory=dict)   # mode -> its own warm-up frames
     robot_cpus: float = 0.5          # CPU quota of the robot side (CPUs); 0 = none
     input_sizes: Dict[str, List[int]] = field(default_factory=dict)
     timeout_s: float = 5.0           # the client's per-frame deadline (s)
@@ -287,6 +288,9 @@ class BenchRunner:
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
                 "--frame-timeout-s", max(30.0, 3 * cfg.timeout_s),
                 "--warmup-timeout-s", WARMUP_FRAME_TIMEOUT_S]
+        for mode, count in cfg.warmup_for.items():
+            if mode in modes:
+                argv += ["--warmup-for", f"{mode}={count}"]
         if cfg.pairs_traces:
             argv.append("--paired-trace")
         driver = self._run(tb, "robot", argv, env=robot_env, stdin=subprocess.PIPE,

@@ -205,6 +205,8 @@ def main(argv=None):
                     help="one mode, or several to run frame by frame in turn")
     ap.add_argument("--frames", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup-for", action="append", default=[], metavar="MODE=N",
+                    help="warm-up frames of one mode, instead of --warmup")
     ap.add_argument("--min-span-s", type=float, default=0.0,
                     help="after --frames, keep going (every mode again) until the measured "
                          "frames span this many seconds, up to --max-frames")
@@ -243,10 +245,11 @@ def main(argv=None):
     while d.pub.get_num_connections() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     d.make_frames(max(args.frames, args.max_frames if args.min_span_s > 0 else 0, args.warmup, 1))
+    warmup_for = {m: int(n) for m, _, n in (item.partition("=") for item in args.warmup_for)}
     try:   # switch() raises ValueError when the client refuses a mode
         for mode in args.mode:
             d.switch(mode)
-            d.run_frames(args.warmup, record=False, t_origin=time.monotonic(),
+            d.run_frames(warmup_for.get(mode, args.warmup), record=False, t_origin=time.monotonic(),
                          timeout_s=args.warmup_timeout_s or None)
         print("READY", flush=True)
         if not args.no_go:
