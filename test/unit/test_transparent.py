@@ -525,6 +525,73 @@ def test_early_replay_through_a_sync_point_refused_by_the_server():
     assert sess.stats.divergences >= 1
 
 
+def _detector_like(w):
+    """A post-processing step as in a detector: keep the scores above a threshold (a
+    data-dependent count n), take the top min(100, n) of them (n, as a plain int, is an
+    argument of topk and view), gather their positions."""
+    def f(x):
+        h = x * w
+        keep = h > 0.1
+        scores = h[keep]                                  # sync point: n values
+        where = torch.nonzero(keep).view(-1)              # sync point: n positions
+        n = scores.numel()
+        top, order = scores.topk(min(100, n))             # k = n: a size symbol
+        boxes = where[order].float().view(top.numel(), 1) * 2.0   # a size symbol too
+        return torch.cat([(boxes * top.view(-1, 1)).sum(0), top[:1]])
+    return f
+
+
+def test_data_dependent_sizes_replay_in_one_round_trip():
+    """The number of kept scores changes every frame. The two recorded inferences differ
+    only in integers that equal what the sync points returned, so the sequence is
+    identified with size symbols: the server fills them from its own run, the robot checks
+    the program's arguments against this frame's values, and every frame after
+    identification takes one round trip, with the outputs of the plain program."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.ones(64))
+    sess = _session()
+    f = _detector_like(w)
+    trips, counts = [], []
+    with torch.no_grad():
+        for i in range(9):
+            x = torch.rand(64) * (0.3 + 0.05 * i)        # 40-80 % above the threshold
+            counts.append(int((x * w > 0.1).sum()))
+            trips.append(_frame(sess, f, x))
+    assert len(set(counts)) >= 6, counts                 # the sizes did change
+    assert sess.stats.sequences_identified == 1, sess.stats
+    assert sess.stats.divergences == 0, sess.stats
+    # frames 0-2 recorded (the first uploads the weight), identified at frame 3, whose
+    # replay learns what the program keeps; then one round trip a frame
+    assert trips[3] <= 2 and trips[4:] == [1] * 5, (trips, counts)
+    assert sess.stats.early_sync_answers >= 2 * 5, sess.stats
+    seq = next(iter(sess.recorder.sequences.values()))
+    assert seq.size_ops and any(seq.sized), "identified without size symbols"
+
+
+def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
+    """When n crosses the cap (topk takes 100, not n), the program's argument is not the
+    symbol's value: a divergence, detected at that call; the frame completes op by op
+    with the plain program's output. Without early replay, the sync points are replayed
+    as the program reaches them (a round trip each), still with the real sizes."""
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.ones(256))
+    for early in (True, False):
+        sess = _session(early_replay=early)
+        f = _detector_like(w)
+        trips = []
+        with torch.no_grad():
+            for i in range(6):
+                frac = 0.2 + 0.02 * i if i < 5 else 0.9        # frame 5: n > 100
+                x = (torch.rand(256) < frac).float() * 0.5
+                trips.append(_frame(sess, f, x))
+        assert sess.stats.sequences_identified == 1, (early, sess.stats)
+        assert sess.stats.divergences == 1, (early, sess.stats)
+        if early:
+            assert trips[4] == 1, trips
+        else:
+            assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
+
+
 def _ops_request(args, tensors=(), session="s1"):
     return ComputeRequest(client_id="t", model="", entry="ops", session=session, tensors=list(tensors),
                           args_json=json.dumps(args))
@@ -541,6 +608,11 @@ def _ops_request(args, tensors=(), session="s1"):
     ({"evil": 1}, StatusCode.BAD_REQUEST),
     ({"define": {"id": "x", "n_inputs": 0, "ops": [{"op": "aten::relu", "a": {"l": [{"t": {"o": [3, 0]}}]}}]}},
      StatusCode.BAD_REQUEST),
+    ({"define": {"id": "x", "n_inputs": 1, "ops": [{"op": "aten::view", "a": {"l": [{"t": {"i": 0}}, {"l": [{"z": [0, 0]}]}]}}]}},
+     StatusCode.BAD_REQUEST),     # a size symbol of an operator not before it
+    ({"define": {"id": "x", "n_inputs": 1, "ops": [{"op": "aten::view", "a": {"l": [{"t": {"i": 0}}, {"z": [-1, "a"]}]}}]}},
+     StatusCode.BAD_REQUEST),
+    ({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [{"z": [0, 0]}]}]}, "k": {}}]}, StatusCode.BAD_REQUEST),
 ])
 def test_server_refuses_bad_ops_requests(args, code):
     server = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_session_mib=64))

@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from robot_offload.transparent import wire
+
 
 @dataclass
 class RecordedOp:
@@ -69,9 +71,19 @@ class Sequence:
     # The robot's compiled check of each call (session._compile_check; None: the generic
     # match), built at the first replay.
     robot_checks: Optional[list] = field(default=None, repr=False)
+    # The newest recording's own returns, where ``rets`` holds size symbols (Recorder.unify).
+    recorded_rets: Optional[List[object]] = field(default=None, repr=False)
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
+        # sized[j]: op j's return names size symbols (its shapes change with the data);
+        # size_ops: the operators whose returns define them.
+        self.sized = [_has_size(r) for r in self.rets]
+        self.size_ops = set()
+        for tree in [op["a"] for op in self.ops] + [op["k"] for op in self.ops] + list(self.rets):
+            _size_refs(tree, self.size_ops)
+        if self.recorded_rets is None:
+            self.recorded_rets = self.rets
 
     @property
     def early_ok(self) -> bool:
@@ -84,6 +96,45 @@ class Sequence:
     @property
     def sync_ops(self) -> List[int]:
         return [j for j, s in enumerate(self.sync) if s]
+
+    @property
+    def answered_ops(self) -> List[int]:
+        """The operators whose returns a replay's reply must carry: the sync operators and
+        every operator whose shapes depend on a size symbol."""
+        return [j for j in range(self.n_ops) if self.sync[j] or self.sized[j]]
+
+
+def _has_size(tree) -> bool:
+    return bool(_size_refs(tree, set()))
+
+
+def _size_refs(tree, out: set) -> set:
+    """The operators the size symbols of a JSON tree refer to (added to ``out``)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            z = node.get("z") if len(node) == 1 else None
+            if isinstance(z, list) and len(z) == 2:
+                out.add(z[0])
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def resolve_sizes(tree, sizes: Dict[int, list]):
+    """``tree`` with each size symbol replaced by this frame's value; KeyError or
+    IndexError when an operator it names has not returned that many integers."""
+    if isinstance(tree, dict):
+        if len(tree) == 1 and "z" in tree:
+            p, i = tree["z"]
+            return sizes[p][i]
+        return {k: resolve_sizes(v, sizes) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [resolve_sizes(v, sizes) for v in tree]
+    return tree
 
 
 def _refs(tree, out):
@@ -247,14 +298,21 @@ class Recorder:
             if self._key_of(comp[0]) != key_new:
                 continue
             sig_old = self._signature(comp)
-            if sig_old is None or sig_old[2] != sig_new[2]:
+            if sig_old is None:
                 self.differing[key_new] = self.differing.get(key_new, 0) + 1
                 return None
             ops, input_metas, _ = sig_new
+            rets = recorded = [self.ops[i].ret for i in newest]
+            if sig_old[2] != sig_new[2]:
+                unified = self.unify(comp, newest, sig_old, sig_new)
+                if unified is None:
+                    self.differing[key_new] = self.differing.get(key_new, 0) + 1
+                    return None
+                ops, rets = unified
             self._seq_counter += 1
             seq = Sequence(
                 seq_id=f"s{self._seq_counter}", key=key_new, ops=ops,
-                rets=[self.ops[i].ret for i in newest], sync=[self.ops[i].sync for i in newest],
+                rets=rets, recorded_rets=recorded, sync=[self.ops[i].sync for i in newest],
                 input_metas=input_metas,
                 prefetch=sorted({(p, k) for p, i in enumerate(newest) for k in self.ops[i].fetched}
                                 | {(p, k) for p, i in enumerate(comp) for k in self.ops[i].fetched}))
@@ -264,10 +322,85 @@ class Recorder:
             return seq
         return None
 
+    def unify(self, old: List[int], new: List[int], sig_old, sig_new):
+        """(define-ops, rets) of two inferences that ran the same operators on the same
+        tensors but with other sizes, or None. Detectors select boxes by score: a boolean
+        mask, ``nonzero`` or NMS returns as many as the data keep, and the program passes
+        that count on as a plain int (``topk(min(k, n))``, ``view(n, 4)``, ``split``).
+        Every integer that differs between the two must equal, in both, one integer of
+        what an earlier sync operator returned (:func:`wire.size_leaves`); it becomes the
+        size symbol ``{"z": [op, i]}``, which the server fills from its own run of that
+        operator and the robot checks the program's argument against. Anything else that
+        differs (an operator, a tensor read, a float, a dtype, a stride that is a product
+        of sizes, an input's shape) leaves the sequence unidentified, as before.
+
+        The latest such operator wins a tie; a wrong guess cannot give a wrong result: the
+        robot compares every argument and every sync result with the symbol's value in
+        that frame and diverges when they differ."""
+        ops_old, inputs_old, _ = sig_old
+        ops_new, inputs_new, _ = sig_new
+        if len(old) != len(new) or inputs_old != inputs_new:
+            return None
+        syncs = [self.ops[i].sync for i in new]
+        if syncs != [self.ops[i].sync for i in old]:
+            return None
+        # (value in old, value in new) -> [(op, i)], latest operator first
+        where: Dict[tuple, List[tuple]] = {}
+        for p in reversed(range(len(new))):
+            if syncs[p]:
+                a = wire.size_leaves(self.ops[old[p]].ret)
+                b = wire.size_leaves(self.ops[new[p]].ret)
+                if len(a) == len(b):
+                    for i, pair in enumerate(zip(a, b)):
+                        where.setdefault(pair, []).append((p, i))
+
+        class Differs(Exception):
+            pass
+
+        def symbol(a, b, before):
+            for p, i in where.get((a, b), ()):
+                if p < before:
+                    return {"z": [p, i]}
+            raise Differs
+
+        def merge(x, y, before, data=False):
+            """``data``: the return of a sync operator, whose values are the frame's data."""
+            if type(x) is int and type(y) is int:
+                return x if x == y else symbol(x, y, before)
+            if isinstance(x, dict) and isinstance(y, dict):
+                if set(x) != set(y):
+                    raise Differs
+                if len(x) == 1 and isinstance(x.get("t"), dict) and "s" not in x["t"]:
+                    if x != y:        # a tensor reference of a define op: the same tensor
+                        raise Differs
+                    return y
+                return {k: (y[k] if k == "h" else merge(x[k], y[k], before, data)) for k in y}
+            if isinstance(x, list) and isinstance(y, list):
+                if len(x) != len(y):
+                    raise Differs
+                return [merge(a, b, before, data) for a, b in zip(x, y)]
+            if x == y or (data and type(x) is type(y)):
+                return y
+            raise Differs
+
+        try:
+            ops = [{"op": b["op"], "a": merge(a["a"], b["a"], q), "k": merge(a["k"], b["k"], q)}
+                   if a["op"] == b["op"] else _raise(Differs)
+                   for q, (a, b) in enumerate(zip(ops_old, ops_new))]
+            rets = [merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q, syncs[q])
+                    for q, (i, k) in enumerate(zip(old, new))]
+        except Differs:
+            return None
+        return ops, rets
+
     def _key_of(self, i: int) -> str:
         op = self.ops[i]
         return self.start_key(op.name, op.args, op.kwargs,
                               lambda h: self.uploaded_at.get(h, -1) >= i)
+
+
+def _raise(exc):
+    raise exc
 
 
 def op_meta_key(op: RecordedOp):

@@ -122,8 +122,16 @@ class Sequence:
                 else:
                     raise _bad(f"sequence op {j}: reference kind {kind!r} not allowed in a sequence")
         self.steps: List[_Step] = []
+        # Operators whose output sizes (or int values) later arguments name as size symbols
+        # {"z": [op, i]}: a record of data-dependent sizes (see recorder.Recorder.unify).
+        self.size_ops = set()
         for j, op in enumerate(ops):
-            dec = wire.Decoder(_Slot, device)
+            def size_of(val, j=j):
+                if val[0] >= j:
+                    raise _bad(f"sequence op {j}: size symbol {val} is not of an earlier op")
+                self.size_ops.add(val[0])
+                return _Size(val[0], val[1])
+            dec = wire.Decoder(_Slot, device, size_of)
             args = dec(op.get("a")) if op.get("a") is not None else []
             kwargs_tree = op.get("k") or {}
             if not isinstance(args, list) or not isinstance(kwargs_tree, dict) or len(kwargs_tree) > 64:
@@ -183,18 +191,19 @@ class _Step:
             if type(v) is _Slot:
                 self.fills.append((i, final_slot(v.ref)))
                 self.args[i] = None
-            elif type(v) is list and _has_slot(v):
+            elif type(v) is _Size or (type(v) is list and _has_slot(v)):
                 self.nested.append((i, _fill(v, rebound)))
         for k, v in list(self.kwargs.items()):
             if type(v) is _Slot:
                 self.kw_fills.append((k, final_slot(v.ref)))
                 self.kwargs[k] = None
-            elif type(v) is list and _has_slot(v):
+            elif type(v) is _Size or (type(v) is list and _has_slot(v)):
                 self.nested.append((k, _fill(v, rebound)))
 
 
 def _has_slot(obj) -> bool:
-    return type(obj) is _Slot or (type(obj) is list and any(_has_slot(o) for o in obj))
+    """Whether a template holds a tensor slot or a size symbol (filled at every replay)."""
+    return type(obj) in (_Slot, _Size) or (type(obj) is list and any(_has_slot(o) for o in obj))
 
 
 class _Slot:
@@ -206,11 +215,23 @@ class _Slot:
         self.ref = ref
 
 
-def _fill(obj, tensor_of):
+class _Size:
+    """A size symbol in a sequence's arguments: integer ``i`` of what operator ``op``
+    returned in this replay (:func:`wire.value_size_leaves`), e.g. the length of a boolean
+    mask's selection that a later ``topk`` or ``view`` takes as a plain int."""
+    __slots__ = ("op", "i")
+
+    def __init__(self, op: int, i: int):
+        self.op, self.i = op, i
+
+
+def _fill(obj, tensor_of, size_of=None):
     if type(obj) is _Slot:
         return tensor_of(obj.ref)
+    if type(obj) is _Size and size_of is not None:
+        return size_of(obj)
     if type(obj) is list:
-        return [_fill(o, tensor_of) for o in obj]
+        return [_fill(o, tensor_of, size_of) for o in obj]
     return obj
 
 
@@ -541,11 +562,20 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
     if not isinstance(start, int) or not isinstance(n, int) or not 0 <= start < n <= len(seq.ops):
         raise _bad(f"replay needs 0 <= from < n <= {len(seq.ops)}")
     if start == 0:
-        sess.partial = {"id": seq_id, "at": 0, "slots": [None] * seq.n_slots, "captured": {}}
+        sess.partial = {"id": seq_id, "at": 0, "slots": [None] * seq.n_slots, "captured": {},
+                        "sizes": {}}
     part = getattr(sess, "partial", None)
     if part is None or part["id"] != seq_id or part["at"] != start:
         raise RequestRejected(StatusCode.STALE_HANDLE, f"no replay of {seq_id!r} stopped at {start}")
-    slots, captured = part["slots"], part["captured"]
+    slots, captured, sizes = part["slots"], part["captured"], part["sizes"]
+
+    def size_of(sym):
+        known = sizes.get(sym.op)
+        if known is None or sym.i >= len(known):
+            # the data gave this operator fewer outputs than the record: the robot's
+            # program will not make this call either (it diverges), so refuse the replay
+            raise _bad(f"size symbol [{sym.op}, {sym.i}]: operator {sym.op} returned no such size")
+        return known[sym.i]
     for pair in spec.get("inputs", []):
         if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int) \
                 or not 0 <= pair[0] < seq.n_inputs:
@@ -584,7 +614,7 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
                     for k, s_ in step.kw_fills:
                         kwargs[k] = slots[s_]
                 for where, tpl in step.nested:
-                    value = _fill(tpl, slots.__getitem__)
+                    value = _fill(tpl, slots.__getitem__, size_of)
                     if type(where) is int:
                         args[where] = value
                     else:
@@ -598,6 +628,8 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
                     for key in capture.get(j, ()):
                         if key[1] < len(leaves):
                             captured[key] = leaves[key[1]]
+                if j in seq.size_ops:
+                    sizes[j] = wire.value_size_leaves(out)
                 if j in sync:
                     rets[str(j)] = wire.encode(out, lambda t: wire.tensor_meta(t))
                 for s_ in step.frees:
@@ -629,5 +661,5 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
             raise _bad(f"fetch {list(key)}: no such output in the first {n} operators")
         fetched.append(t)
     if n < len(seq.ops):
-        sess.partial = {"id": seq_id, "at": n, "slots": slots, "captured": captured}
+        sess.partial = {"id": seq_id, "at": n, "slots": slots, "captured": captured, "sizes": sizes}
     return {"kept": kept, "rets": rets}

@@ -67,7 +67,7 @@ from robot_offload import codec
 from robot_offload.errors import OffloadError, RemoteError, TransportError
 from robot_offload.protocol import ComputeRequest, StatusCode, raise_for_status
 from robot_offload.transparent import wire
-from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence
+from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence, resolve_sizes
 from robot_offload.transparent.server import ENTRY, content_digest
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,8 @@ class _Speculation:
         self.predicted: Dict[int, str] = {}    # inputs the early replay took from the server's
                                                # copy of the previous frame's: index -> digest
         self.early_stale = False               # a predicted input came out different
+        self.sizes: Dict[int, list] = {}       # op -> the integers it returned this frame
+                                               # (wire.size_leaves), for its size symbols
 
 
 class RemoteSession:
@@ -807,8 +809,30 @@ class RemoteSession:
                     # the early replay ran with last frame's content: it cannot be used
                     spec.early_stale = True
                     seq.input_digests[idx] = d
+        # The whole sequence leaves as soon as its inputs are known (or predicted). A
+        # sequence with size symbols goes early before its first replay has ended too: only
+        # the early reply says this frame's sizes without a round trip per sync point.
+        if (self.early_replay and spec.early is None and spec.sent == 0 and seq.early_ok
+                and (seq.early_keep is not None or seq.size_ops) and j + 1 < seq.n_ops
+                and all(i in spec.inputs or self._stable_handle(seq, i) is not None
+                        for i in range(len(seq.input_metas)))):
+            self._send_early(spec)
         # Answer from the record.
         ret = seq.rets[j]
+        sized = actual = None
+        if seq.sized[j]:
+            # Shapes that change with the data: this frame's, from the early reply, or for
+            # an operator that is no sync point, from its meta kernel on this call's arguments.
+            if spec.early is not None:
+                sized, actual = self._sized_from_early(spec, j)
+            if sized is None and not seq.sync[j]:
+                sized = self._sized_by_meta(spec, j, func, args, kwargs)
+                if sized is None:
+                    self._diverge(f"operator {j}: no shapes for this frame's sizes")
+                    return self._transparent(func, args, kwargs, record=True)
+            # a sync point without them: stand-ins of the recorded shapes until the replay
+            # up to it returns the real ones (below)
+            ret = sized if sized is not None else seq.recorded_rets[j]
         meta = _single_new_tensor(ret)
         if meta is not None:
             # The usual return, one new tensor: its proxy without the generic decoding.
@@ -824,18 +848,22 @@ class RemoteSession:
                 t._pending = t._origin = (spec, j, k)
                 spec.proxies[(j, k)] = weakref.ref(t)
         spec.pos = j + 1
-        if (self.early_replay and spec.early is None and spec.sent == 0 and seq.early_ok
-                and seq.early_keep is not None and spec.pos < seq.n_ops
-                and all(i in spec.inputs or self._stable_handle(seq, i) is not None
-                        for i in range(len(seq.input_metas)))):
-            self._send_early(spec)
         self.stats.ops_replayed += 1
         if self.stats.inferences:
             self.stats.inferences[-1].ops += 1
-        if seq.sync[j]:
+        if sized is not None and seq.sync[j] and not out_tensors:
+            out = self._decode_return(func, args, kwargs, actual)     # values: this frame's
+        if seq.sync[j] and sized is None:
             actual = self._early_sync_result(spec, j, ret) if spec.early is not None else None
             if actual is None:
                 actual = self._flush("a value or data-dependent shape", sync_op=j)
+            if seq.sized[j]:
+                out = self._sized_after_flush(spec, j, func, args, kwargs, actual, out_tensors)
+                if out is not None:
+                    if spec.pos == seq.n_ops and self._spec is spec:
+                        self._flush("end of the sequence")
+                        self._spec = None
+                    return out
             if not _same_shapes(actual, ret):
                 # The data made the shapes differ from the record: hand out proxies with the
                 # real shapes (same server tensors) and record again from here.
@@ -847,6 +875,68 @@ class RemoteSession:
         if spec.pos == seq.n_ops and self._spec is spec:
             self._flush("end of the sequence")
             self._spec = None
+        return out
+
+    def _sized_from_early(self, spec, j: int):
+        """(operator ``j``'s return with this frame's sizes, the server's return) from the
+        early reply (which carries the return of every sync and sized operator); (None,
+        None), with the early reply dropped, when the reply cannot be used or its shapes are not the record's with the
+        symbols filled in."""
+        seq = spec.seq
+        result, _ = self._early_reply(spec)
+        if result is None:
+            return None, None
+        actual = result["replay"]["rets"].get(str(j))
+        resolved = None
+        if actual is not None and not spec.early_stale:
+            try:
+                if j in seq.size_ops:
+                    spec.sizes[j] = wire.size_leaves(actual)
+                resolved = resolve_sizes(seq.rets[j], spec.sizes)
+            except (KeyError, IndexError, TypeError, ValueError):
+                resolved = None
+        if resolved is None or not _same_shapes(actual, resolved):
+            self._drop_early(spec, result)
+            return None, None
+        if seq.sync[j]:
+            self.stats.early_sync_answers += 1
+        return resolved, actual
+
+    def _sized_by_meta(self, spec, j: int, func, args, kwargs):
+        """Operator ``j``'s return with this frame's sizes where no reply says them: the
+        record's with the symbols filled in, when the operator's meta kernel gives the same
+        shapes for this call's arguments (else None). It is no sync point, so its shapes
+        follow from its arguments' shapes."""
+        try:
+            resolved = resolve_sizes(spec.seq.rets[j], spec.sizes)
+            m_args, m_kwargs = tree_map(
+                lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                if isinstance(a, torch.Tensor) else a, (args, kwargs))
+            out = func(*m_args, **m_kwargs)
+            computed = wire.encode(out, wire.tensor_meta)
+        except Exception:  # noqa: BLE001 - no meta kernel, a symbol not known: diverge
+            return None
+        return resolved if _same_shapes(computed, resolved) else None
+
+    def _sized_after_flush(self, spec, j: int, func, args, kwargs, actual, stand_ins):
+        """After the replay up to sync operator ``j`` (no early reply): its outputs as
+        proxies of the real shapes (the stand-ins' server tensors moved into them), when
+        they are the record's with the symbols filled in; else None (the caller diverges)."""
+        seq = spec.seq
+        try:
+            if j in seq.size_ops:
+                spec.sizes[j] = wire.size_leaves(actual)
+            resolved = resolve_sizes(seq.rets[j], spec.sizes)
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        if not _same_shapes(actual, resolved) or any("a" in m for m in _metas_in(resolved)):
+            return None
+        if not stand_ins:
+            return self._decode_return(func, args, kwargs, actual)     # values: this frame's
+        out = self._decode_return(func, args, kwargs, self._rebuild_ret(resolved, stand_ins))
+        for k, t in enumerate(t for t in wire.leaves(out) if isinstance(t, RemoteTensor)):
+            t._origin = (spec, j, k)
+            spec.proxies[(j, k)] = weakref.ref(t)
         return out
 
     def _match_call(self, spec, j, name, args, kwargs) -> dict:
@@ -903,6 +993,8 @@ class RemoteSession:
         if kind is _LIST:
             return type(a) in (list, tuple) and len(a) == len(want) and all(
                 self._compiled_arg(spec, k, w, v) for (k, w), v in zip(want, a))
+        if kind is _SIZE:
+            return _size_matches(spec, want, a)
         if kind is _VALUES:   # element types first: a tensor equal to 2 must not pass as 2
             values, types = want
             return type(a) is list and tuple(map(type, a)) == types and a == values
@@ -977,6 +1069,11 @@ class RemoteSession:
             for e, a in zip(expected["l"], actual):
                 self._match(e, a, spec, bind, j)
             return
+        if isinstance(expected, dict) and len(expected) == 1 and isinstance(expected.get("z"), list):
+            if _size_matches(spec, expected["z"], actual):
+                return
+            raise Mismatch(f"operator {j}: {str(actual)[:20]} is not the size operator "
+                           f"{expected['z'][0]} returned in this frame")
         if isinstance(actual, torch.Tensor):
             raise Mismatch(f"operator {j}: a tensor where the record has a value")
         enc = wire.encode(actual, lambda t: None)
@@ -1113,9 +1210,9 @@ class RemoteSession:
         """Send the whole sequence now, on the worker thread (see the module docstring)."""
         seq = spec.seq
         spec.early_fetch = sorted(set(map(tuple, seq.prefetch)))
-        spec.early_keep = sorted(set(map(tuple, seq.early_keep)) | set(spec.early_fetch))
+        spec.early_keep = sorted(set(map(tuple, seq.early_keep or ())) | set(spec.early_fetch))
         body, uploads = self._replay_body(spec, seq.n_ops, spec.early_keep, spec.early_fetch,
-                                          [j for j in seq.sync_ops if j >= spec.pos])
+                                          [j for j in seq.answered_ops if j >= spec.pos])
         if self._early_sender is None:
             self._early_sender = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="rr-early-replay")
@@ -1241,13 +1338,15 @@ class RemoteSession:
 
 
 #: Kinds of a compiled argument check (see _compile_check).
-_OUT, _CONST, _VALUE, _VALUES, _LIST = "out", "const", "value", "values", "list"
+_OUT, _CONST, _VALUE, _VALUES, _LIST, _SIZE = "out", "const", "value", "values", "list", "size"
 
 
 def _compile_arg(e):
     """(kind, wanted) for one recorded argument, or None (the generic match)."""
     if type(e) in _PLAIN_SCALARS or e is None:
         return _VALUE, e
+    if isinstance(e, dict) and len(e) == 1 and isinstance(e.get("z"), list):
+        return _SIZE, tuple(e["z"])
     if isinstance(e, dict) and len(e) == 1 and "t" in e:
         (kind, val), = e["t"].items()
         if kind == "o":
@@ -1300,6 +1399,12 @@ def _compile_check(op: dict, schema_of):
     if not has_out or any(kinds.get(i) is not _OUT for i in written):
         return None
     return func, len(a_tree["l"]), checks
+
+
+def _size_matches(spec, symbol, a) -> bool:
+    """Whether int ``a`` is what size symbol (op, i) stands for in this frame."""
+    known = spec.sizes.get(symbol[0])
+    return type(a) is int and known is not None and symbol[1] < len(known) and a == known[symbol[1]]
 
 
 def _version_of(t: torch.Tensor) -> int:

@@ -114,9 +114,10 @@ def encode(value, tensor_ref: Callable, depth: int = 0):
 class Decoder:
     """Rebuilds values from JSON trees, counting items so one request cannot explode."""
 
-    def __init__(self, tensor_of: Callable, device: torch.device):
+    def __init__(self, tensor_of: Callable, device: torch.device, size_of: Callable = None):
         self.tensor_of = tensor_of
         self.device = device
+        self.size_of = size_of      # {"z": [p, i]} (a recorded sequence's size symbol), or None
         self.items = 0
 
     def __call__(self, obj, depth: int = 0):
@@ -136,6 +137,11 @@ class Decoder:
         (key, val), = obj.items()
         if key == "t":
             return self.tensor_of(val)
+        if key == "z" and self.size_of is not None:
+            if not (isinstance(val, list) and len(val) == 2
+                    and all(type(v) is int and v >= 0 for v in val)):
+                raise WireError(f"malformed size symbol {str(val)[:40]}")
+            return self.size_of(val)
         if key == "l":
             if not isinstance(val, list):
                 raise WireError("'l' must hold a list")
@@ -161,6 +167,42 @@ def tensor_meta(t: torch.Tensor) -> dict:
     """What the robot needs to stand in for a server tensor."""
     return {"s": list(t.shape), "st": list(t.stride()), "o": int(t.storage_offset()),
             "d": str(t.dtype).replace("torch.", "")}
+
+
+def size_leaves(tree) -> list:
+    """The integers a return tree (JSON, as :func:`encode` with :func:`tensor_meta` writes
+    it) makes known: each tensor's shape, then plain int values, depth first. Element ``i``
+    of an operator's list is what the size symbol ``{"z": [op, i]}`` of a recorded sequence
+    stands for. :func:`value_size_leaves` gives the same list from the operator's output
+    itself (the server), so both sides number the symbols alike."""
+    out = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if type(node) is int:
+            out.append(node)
+        elif isinstance(node, dict) and len(node) == 1:
+            (key, val), = node.items()
+            if key == "t" and isinstance(val, dict):
+                out.extend(val.get("s") or ())
+            elif key == "l" and isinstance(val, list):
+                stack.extend(reversed(val))
+    return out
+
+
+def value_size_leaves(value) -> list:
+    """:func:`size_leaves` of ``encode(value, tensor_meta)``, without encoding it."""
+    out = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.extend(v.shape)
+        elif type(v) is int:
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+    return out
 
 
 def meta_dtype(name: str) -> torch.dtype:
