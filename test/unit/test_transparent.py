@@ -592,6 +592,39 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
 
 
+def test_retinanet_whose_box_count_changes_replays_in_one_round_trip():
+    """RetinaNet with its score threshold set where a trained detector's would keep a
+    handful of boxes (here: the 99.99th percentile of frame 0's random-weight scores), so
+    that the number of boxes changes from frame to frame: identified with size symbols,
+    one round trip per frame once its anchors are predicted, the outputs of the plain
+    model on every frame."""
+    skip_off_cpu("its thresholded random-weight scores hold near-ties, which float rounding "
+                 "reorders")
+    spec = get_spec("retinanet_resnet50_fpn")
+    model = spec.build().eval()
+    inner = model.model
+    xs = [spec.example_input(spec.test_input_size, seed=i) for i in range(10)]
+    with torch.no_grad():
+        feats = inner.backbone(inner.transform(list(xs[0]))[0].tensors)
+        logits = inner.head.classification_head(list(feats.values()))
+        inner.score_thresh = float(torch.sigmoid(logits).flatten().quantile(0.9999))
+    sess = _session()
+    trips, boxes = [], []
+    with torch.no_grad():
+        for x in xs:
+            ref = model(x)
+            before = sess.stats.round_trips
+            with sess:
+                out = sess.materialize_tree(model(x))
+            trips.append(sess.stats.round_trips - before)
+            boxes.append(len(ref[0]["boxes"]))
+            for key in ("boxes", "scores", "labels"):
+                assert_same_as_local(out[0][key], ref[0][key], rtol=1e-4, atol=1e-4)
+    assert len(set(boxes)) >= 3, boxes
+    assert trips[6:] == [1] * 4, (trips, boxes)
+    assert sess.stats.divergences == 0, sess.stats
+
+
 def _ops_request(args, tensors=(), session="s1"):
     return ComputeRequest(client_id="t", model="", entry="ops", session=session, tensors=list(tensors),
                           args_json=json.dumps(args))

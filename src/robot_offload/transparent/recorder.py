@@ -105,7 +105,17 @@ class Sequence:
 
 
 def _has_size(tree) -> bool:
-    return bool(_size_refs(tree, set()))
+    """Whether a JSON tree holds a size symbol or a ``{"z": []}`` (see resolve_sizes)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and isinstance(node.get("z"), list):
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _size_refs(tree, out: set) -> set:
@@ -124,16 +134,26 @@ def _size_refs(tree, out: set) -> set:
     return out
 
 
-def resolve_sizes(tree, sizes: Dict[int, list]):
-    """``tree`` with each size symbol replaced by this frame's value; KeyError or
-    IndexError when an operator it names has not returned that many integers."""
+def resolve_sizes(tree, sizes: Dict[int, list], actual=None):
+    """A recorded return ``tree`` with this frame's integers: a size symbol ``{"z": [op,
+    i]}`` becomes what ``op`` returned (``sizes``), and ``{"z": []}`` -- an integer no
+    single size explains, such as the length of a ``cat`` of several selections -- the
+    integer at the same place of ``actual``, the return as the server (or the operator's
+    meta kernel) gave it this frame. KeyError, IndexError or ValueError when one is
+    missing."""
     if isinstance(tree, dict):
         if len(tree) == 1 and "z" in tree:
-            p, i = tree["z"]
-            return sizes[p][i]
-        return {k: resolve_sizes(v, sizes) for k, v in tree.items()}
+            z = tree["z"]
+            if not z:
+                if type(actual) is not int:
+                    raise ValueError("no integer in this frame's return where the record has one")
+                return actual
+            return sizes[z[0]][z[1]]
+        return {k: resolve_sizes(v, sizes, actual.get(k) if isinstance(actual, dict) else None)
+                for k, v in tree.items()}
     if isinstance(tree, list):
-        return [resolve_sizes(v, sizes) for v in tree]
+        n = len(actual) if isinstance(actual, list) else 0
+        return [resolve_sizes(v, sizes, actual[i] if i < n else None) for i, v in enumerate(tree)]
     return tree
 
 
@@ -160,6 +180,7 @@ class Recorder:
         # model whose count keeps growing has no static operator sequence (detectors whose
         # number of boxes changes what runs) and stays op by op.
         self.differing: Dict[str, int] = {}
+        self.not_unified = ""      # why the last two differing inferences were not unified
         self._seq_counter = 0
 
     def reset(self) -> None:
@@ -340,9 +361,11 @@ class Recorder:
         ops_old, inputs_old, _ = sig_old
         ops_new, inputs_new, _ = sig_new
         if len(old) != len(new) or inputs_old != inputs_new:
+            self.not_unified = f"{len(old)} and {len(new)} operators, or other inputs"
             return None
         syncs = [self.ops[i].sync for i in new]
         if syncs != [self.ops[i].sync for i in old]:
+            self.not_unified = "other sync points"
             return None
         # (value in old, value in new) -> [(op, i)], latest operator first
         where: Dict[tuple, List[tuple]] = {}
@@ -357,39 +380,50 @@ class Recorder:
         class Differs(Exception):
             pass
 
-        def symbol(a, b, before):
+        def symbol(a, b, before, in_return):
             for p, i in where.get((a, b), ()):
                 if p < before:
                     return {"z": [p, i]}
-            raise Differs
+            if in_return:       # a shape the server's reply (or a meta kernel) will give
+                return {"z": []}
+            raise Differs(f"{a} and {b}, no size of an earlier sync point")
 
-        def merge(x, y, before, data=False):
-            """``data``: the return of a sync operator, whose values are the frame's data."""
+        def merge(x, y, before, data=False, in_return=False):
+            """``data``: the return of a sync operator, whose values are the frame's data;
+            ``in_return``: an operator's return, whose integers need not be symbols."""
             if type(x) is int and type(y) is int:
-                return x if x == y else symbol(x, y, before)
+                return x if x == y else symbol(x, y, before, in_return)
             if isinstance(x, dict) and isinstance(y, dict):
                 if set(x) != set(y):
-                    raise Differs
+                    raise Differs(f"{str(x)[:40]} and {str(y)[:40]}")
                 if len(x) == 1 and isinstance(x.get("t"), dict) and "s" not in x["t"]:
                     if x != y:        # a tensor reference of a define op: the same tensor
-                        raise Differs
+                        raise Differs(f"reads {x['t']} and {y['t']}")
                     return y
-                return {k: (y[k] if k == "h" else merge(x[k], y[k], before, data)) for k in y}
+                return {k: (y[k] if k == "h" else merge(x[k], y[k], before, data, in_return))
+                        for k in y}
             if isinstance(x, list) and isinstance(y, list):
                 if len(x) != len(y):
-                    raise Differs
-                return [merge(a, b, before, data) for a, b in zip(x, y)]
+                    raise Differs(f"lists of {len(x)} and {len(y)}")
+                return [merge(a, b, before, data, in_return) for a, b in zip(x, y)]
             if x == y or (data and type(x) is type(y)):
                 return y
-            raise Differs
+            raise Differs(f"{str(x)[:40]} and {str(y)[:40]}")
 
+        q = 0
         try:
-            ops = [{"op": b["op"], "a": merge(a["a"], b["a"], q), "k": merge(a["k"], b["k"], q)}
-                   if a["op"] == b["op"] else _raise(Differs)
-                   for q, (a, b) in enumerate(zip(ops_old, ops_new))]
-            rets = [merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q, syncs[q])
-                    for q, (i, k) in enumerate(zip(old, new))]
-        except Differs:
+            ops = []
+            for q, (a, b) in enumerate(zip(ops_old, ops_new)):
+                if a["op"] != b["op"]:
+                    raise Differs(f"{a['op']} and {b['op']}")
+                ops.append({"op": b["op"], "a": merge(a["a"], b["a"], q), "k": merge(a["k"], b["k"], q)})
+            rets = []
+            for q, (i, k) in enumerate(zip(old, new)):
+                rets.append(merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q,
+                                  syncs[q], True))
+        except Differs as e:
+            # kept for diagnosis (logged by the session at debug level)
+            self.not_unified = f"operator {q} ({ops_new[q]['op']}): {e}"
             return None
         return ops, rets
 
@@ -397,10 +431,6 @@ class Recorder:
         op = self.ops[i]
         return self.start_key(op.name, op.args, op.kwargs,
                               lambda h: self.uploaded_at.get(h, -1) >= i)
-
-
-def _raise(exc):
-    raise exc
 
 
 def op_meta_key(op: RecordedOp):

@@ -743,7 +743,11 @@ class RemoteSession:
                     seq = self.recorder.identify()
                     if seq is not None:
                         self.stats.sequences_identified += 1
-                        log.info("identified an operator sequence of %d operators (%s)", seq.n_ops, seq.seq_id)
+                        log.info("identified an operator sequence of %d operators (%s%s)", seq.n_ops,
+                                 seq.seq_id, ", with size symbols" if seq.size_ops else "")
+                    elif self.recorder.not_unified:
+                        log.debug("two inferences differ: %s", self.recorder.not_unified)
+                        self.recorder.not_unified = ""
                 seq = self.recorder.sequences.get(probe[0])
                 if seq is None and probe[1]:
                     # The program may pass a robot tensor it passed before (the same input
@@ -892,7 +896,7 @@ class RemoteSession:
             try:
                 if j in seq.size_ops:
                     spec.sizes[j] = wire.size_leaves(actual)
-                resolved = resolve_sizes(seq.rets[j], spec.sizes)
+                resolved = resolve_sizes(seq.rets[j], spec.sizes, actual)
             except (KeyError, IndexError, TypeError, ValueError):
                 resolved = None
         if resolved is None or not _same_shapes(actual, resolved):
@@ -908,12 +912,12 @@ class RemoteSession:
         shapes for this call's arguments (else None). It is no sync point, so its shapes
         follow from its arguments' shapes."""
         try:
-            resolved = resolve_sizes(spec.seq.rets[j], spec.sizes)
             m_args, m_kwargs = tree_map(
                 lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
                 if isinstance(a, torch.Tensor) else a, (args, kwargs))
             out = func(*m_args, **m_kwargs)
             computed = wire.encode(out, wire.tensor_meta)
+            resolved = resolve_sizes(spec.seq.rets[j], spec.sizes, computed)
         except Exception:  # noqa: BLE001 - no meta kernel, a symbol not known: diverge
             return None
         return resolved if _same_shapes(computed, resolved) else None
@@ -926,7 +930,7 @@ class RemoteSession:
         try:
             if j in seq.size_ops:
                 spec.sizes[j] = wire.size_leaves(actual)
-            resolved = resolve_sizes(seq.rets[j], spec.sizes)
+            resolved = resolve_sizes(seq.rets[j], spec.sizes, actual)
         except (KeyError, IndexError, TypeError, ValueError):
             return None
         if not _same_shapes(actual, resolved) or any("a" in m for m in _metas_in(resolved)):
