@@ -55,6 +55,8 @@ class _OperatorBackend(Backend):
             sess.deadline = None
             sess.frame_stats = None
         t1 = time.perf_counter()
+        if len(sess.stats.inferences) > n_before:
+            sess.stats.inferences[-1].mark("outputs_ms")
         in_calls = stats.transfer_s + stats.server_compute_s - calls_before
         stats.add_compute(t0, t0 + max(0.0, (t1 - t0) - in_calls))
         stats.phase = sess.frame_phase(n_before, div_before)

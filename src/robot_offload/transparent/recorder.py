@@ -104,6 +104,19 @@ class Sequence:
         return [j for j in range(self.n_ops) if self.sync[j] or self.sized[j]]
 
 
+def _returns_an_input(tree) -> bool:
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and isinstance(node.get("t"), dict) and "a" in node["t"]:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def _has_size(tree) -> bool:
     """Whether a JSON tree holds a size symbol or a ``{"z": []}`` (see resolve_sizes)."""
     stack = [tree]
@@ -370,7 +383,9 @@ class Recorder:
         # (value in old, value in new) -> [(op, i)], latest operator first
         where: Dict[tuple, List[tuple]] = {}
         for p in reversed(range(len(new))):
-            if syncs[p]:
+            # (a return that hands back one of the call's inputs names it, {"a": index},
+            # without its shape: the server's list of integers would be longer)
+            if syncs[p] and not _returns_an_input(self.ops[new[p]].ret):
                 a = wire.size_leaves(self.ops[old[p]].ret)
                 b = wire.size_leaves(self.ops[new[p]].ret)
                 if len(a) == len(b):

@@ -177,12 +177,13 @@ class InferenceCount:
     early_sent_ms: Optional[float] = None   # the early replay left for the server
     checks_end_ms: Optional[float] = None   # the robot had checked the last operator
     reply_ms: Optional[float] = None        # the early replay's reply was in hand
+    outputs_ms: Optional[float] = None      # the program had returned, its outputs on the robot
 
     def mark(self, what: str) -> None:
         setattr(self, what, round((time.perf_counter() - self.started) * 1e3, 2))
 
     def timeline(self) -> dict:
-        return {k: getattr(self, k) for k in ("early_sent_ms", "checks_end_ms", "reply_ms")
+        return {k: getattr(self, k) for k in ("early_sent_ms", "checks_end_ms", "reply_ms", "outputs_ms")
                 if getattr(self, k) is not None}
 
 
