@@ -592,6 +592,26 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
 
 
+def test_a_shape_the_record_saw_twice_is_still_checked_downstream_of_a_size():
+    """``sel[:10]`` had 10 elements in both recorded inferences (12 and 15 selected), so
+    its recorded shape is the same in both; with 5 selected it has 5. An operator that
+    reads a tensor whose size changes takes its shapes from this frame's reply, never from
+    the record: the frame gives the plain program's output (a divergence, or a replay)."""
+    w = nn.Parameter(torch.ones(32))
+    sess = _session()
+    with torch.no_grad():
+        for n in (12, 15, 13, 14, 17, 5, 11, 4):
+            x = torch.cat([torch.ones(n), -torch.ones(32 - n)]) * torch.linspace(1, 2, 32)
+            def f(x):
+                h = x * w
+                sel = h[h > 0]                               # n values: a sync point
+                col = sel.view(sel.numel(), 1)               # n as an argument: a symbol
+                return torch.cat([sel[:10] * 3, col[:1, 0]])  # 10 values while n >= 10
+            _frame(sess, f, x)
+    seq = sess.recorder.sequences and next(iter(sess.recorder.sequences.values()))
+    assert sess.stats.sequences_identified >= 1 and (not seq or seq.size_ops), sess.stats
+
+
 def test_retinanet_whose_box_count_changes_replays_in_one_round_trip():
     """RetinaNet with its score threshold set where a trained detector's would keep a
     handful of boxes (here: the 99.99th percentile of frame 0's random-weight scores), so

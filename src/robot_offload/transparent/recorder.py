@@ -76,12 +76,26 @@ class Sequence:
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
-        # sized[j]: op j's return names size symbols (its shapes change with the data);
-        # size_ops: the operators whose returns define them.
-        self.sized = [_has_size(r) for r in self.rets]
+        # size_ops: the operators whose returns define size symbols. sized[j]: op j's shapes
+        # may change with the data, so each replay takes them from the server's run (or a
+        # meta kernel), never from the record: its return names a symbol, an argument does,
+        # or it reads a tensor of such an operator or an input of a shape that changes.
+        # (An operator whose return was the same in both recordings may still change: x[:10]
+        # of an x that had 12 and 15 elements there and has 5 now.)
         self.size_ops = set()
         for tree in [op["a"] for op in self.ops] + [op["k"] for op in self.ops] + list(self.rets):
             _size_refs(tree, self.size_ops)
+        self.sized = [False] * self.n_ops
+        if self.size_ops or any(_has_size(m) for m in self.input_metas):
+            sized_inputs = {i for i, m in enumerate(self.input_metas) if _has_size(m)}
+            for j, op in enumerate(self.ops):
+                refs = wire.tensor_ref_refs(op["a"], [])
+                for v in (op["k"] or {}).values():
+                    wire.tensor_ref_refs(v, refs)
+                self.sized[j] = (_has_size(self.rets[j]) or _has_size(op["a"]) or _has_size(op["k"])
+                                 or any(isinstance(r, dict) and (("o" in r and self.sized[r["o"][0]])
+                                                                 or r.get("i") in sized_inputs)
+                                        for r in refs))
         if self.recorded_rets is None:
             self.recorded_rets = self.rets
 
