@@ -537,7 +537,8 @@ def _detector_like(w):
         n = scores.numel()
         top, order = scores.topk(min(100, n))             # k = n: a size symbol
         boxes = where[order].float().view(top.numel(), 1) * 2.0   # a size symbol too
-        return torch.cat([(boxes * top.view(-1, 1)).sum(0), top[:1]])
+        pairs = torch.stack([top, top], 1).reshape(top.numel() * 2)  # twice a size
+        return torch.cat([(boxes * top.view(-1, 1)).sum(0), top[:1], pairs[-1:]])
     return f
 
 
@@ -566,6 +567,8 @@ def test_data_dependent_sizes_replay_in_one_round_trip():
     assert sess.stats.early_sync_answers >= 2 * 5, sess.stats
     seq = next(iter(sess.recorder.sequences.values()))
     assert seq.size_ops and any(seq.sized), "identified without size symbols"
+    # reshape(top.numel() * 2): twice a size, {"z": [op, i, 2]}
+    assert any('"z": [' in json.dumps(op["a"]) and ', 2]}' in json.dumps(op["a"]) for op in seq.ops)
 
 
 def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
@@ -590,6 +593,31 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert trips[4] == 1, trips
         else:
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
+
+
+def test_a_tensor_the_program_builds_of_a_data_dependent_size():
+    """After its sync point the program builds a robot tensor as long as the selection
+    (``torch.full((n,), 1.5)``, as detectors build level indices): the sequence's input of
+    that shape is a size symbol too. Its content changes with n, so it is uploaded when
+    the program builds it: the early replay cannot leave before, and the sync point costs
+    a round trip. Identified with symbols, no divergence, the plain program's outputs."""
+    torch.manual_seed(2)
+    w = nn.Parameter(torch.ones(64))
+    sess = _session()
+    trips = []
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.rand(64) * (0.3 + 0.05 * i)
+            def f(x):
+                h = x * w
+                sel = h[h > 0.1]                                  # n values
+                scale = torch.full((sel.numel(),), 1.5)           # a robot tensor of n
+                return (sel * scale).sort().values[-3:]
+            trips.append(_frame(sess, f, x))
+    assert sess.stats.sequences_identified == 1 and sess.stats.divergences == 0, sess.stats
+    seq = next(iter(sess.recorder.sequences.values()))
+    assert any("z" in json.dumps(m) for m in seq.input_metas), seq.input_metas
+    assert all(t <= 2 for t in trips[4:]), trips
 
 
 def test_a_shape_the_record_saw_twice_is_still_checked_downstream_of_a_size():

@@ -152,7 +152,7 @@ def _size_refs(tree, out: set) -> set:
         node = stack.pop()
         if isinstance(node, dict):
             z = node.get("z") if len(node) == 1 else None
-            if isinstance(z, list) and len(z) == 2:
+            if isinstance(z, list) and len(z) in (2, 3):
                 out.add(z[0])
             else:
                 stack.extend(node.values())
@@ -163,7 +163,7 @@ def _size_refs(tree, out: set) -> set:
 
 def resolve_sizes(tree, sizes: Dict[int, list], actual=None):
     """A recorded return ``tree`` with this frame's integers: a size symbol ``{"z": [op,
-    i]}`` becomes what ``op`` returned (``sizes``), and ``{"z": []}`` -- an integer no
+    i]}`` becomes what ``op`` returned (``sizes``), ``{"z": [op, i, f]}`` f times that, and ``{"z": []}`` -- an integer no
     single size explains, such as the length of a ``cat`` of several selections -- the
     integer at the same place of ``actual``, the return as the server (or the operator's
     meta kernel) gave it this frame. KeyError, IndexError or ValueError when one is
@@ -175,7 +175,7 @@ def resolve_sizes(tree, sizes: Dict[int, list], actual=None):
                 if type(actual) is not int:
                     raise ValueError("no integer in this frame's return where the record has one")
                 return actual
-            return sizes[z[0]][z[1]]
+            return sizes[z[0]][z[1]] * (z[2] if len(z) > 2 else 1)
         return {k: resolve_sizes(v, sizes, actual.get(k) if isinstance(actual, dict) else None)
                 for k, v in tree.items()}
     if isinstance(tree, list):
@@ -356,7 +356,7 @@ class Recorder:
                 if unified is None:
                     self.differing[key_new] = self.differing.get(key_new, 0) + 1
                     return None
-                ops, rets = unified
+                ops, rets, input_metas = unified
             self._seq_counter += 1
             seq = Sequence(
                 seq_id=f"s{self._seq_counter}", key=key_new, ops=ops,
@@ -387,8 +387,8 @@ class Recorder:
         that frame and diverges when they differ."""
         ops_old, inputs_old, _ = sig_old
         ops_new, inputs_new, _ = sig_new
-        if len(old) != len(new) or inputs_old != inputs_new:
-            self.not_unified = f"{len(old)} and {len(new)} operators, or other inputs"
+        if len(old) != len(new) or len(inputs_old) != len(inputs_new):
+            self.not_unified = f"{len(old)} and {len(new)} operators, {len(inputs_old)} and {len(inputs_new)} inputs"
             return None
         syncs = [self.ops[i].sync for i in new]
         if syncs != [self.ops[i].sync for i in old]:
@@ -413,6 +413,17 @@ class Recorder:
             for p, i in where.get((a, b), ()):
                 if p < before:
                     return {"z": [p, i]}
+            # a multiple of one (a flattened [n, 90] is n * 90 long): {"z": [op, i, factor]}
+            best = None
+            if a > 0 and b > 0:
+                for (va, vb), places in where.items():
+                    if 0 < va < a and a % va == 0 and vb > 0 and b % vb == 0 and a // va == b // vb:
+                        for p, i in places:
+                            if p < before and (best is None or p > best[0]):
+                                best = (p, i, a // va)
+                            break
+            if best is not None:
+                return {"z": list(best)}
             if in_return:       # a shape the server's reply (or a meta kernel) will give
                 return {"z": []}
             raise Differs(f"{a} and {b}, no size of an earlier sync point")
@@ -450,11 +461,23 @@ class Recorder:
             for q, (i, k) in enumerate(zip(old, new)):
                 rets.append(merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q,
                                   syncs[q], True))
+            # an input the program builds after a sync point, of the size it returned
+            # (torch.full((n,), level)): its shape may name a symbol of an earlier sync point
+            first_read = {}
+            for q, op in enumerate(ops_new):
+                refs = wire.tensor_ref_refs(op["a"], [])
+                for v in (op["k"] or {}).values():
+                    wire.tensor_ref_refs(v, refs)
+                for r in refs:
+                    if isinstance(r, dict) and "i" in r:
+                        first_read.setdefault(r["i"], q)
+            q = 0
+            input_metas = [merge(a, b, first_read.get(i, 0)) for i, (a, b) in enumerate(zip(inputs_old, inputs_new))]
         except Differs as e:
             # kept for diagnosis (logged by the session at debug level)
             self.not_unified = f"operator {q} ({ops_new[q]['op']}): {e}"
             return None
-        return ops, rets
+        return ops, rets, input_metas
 
     def _key_of(self, i: int) -> str:
         op = self.ops[i]

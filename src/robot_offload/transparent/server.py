@@ -130,7 +130,7 @@ class Sequence:
                 if val[0] >= j:
                     raise _bad(f"sequence op {j}: size symbol {val} is not of an earlier op")
                 self.size_ops.add(val[0])
-                return _Size(val[0], val[1])
+                return _Size(val[0], val[1], val[2] if len(val) > 2 else 1)
             dec = wire.Decoder(_Slot, device, size_of)
             args = dec(op.get("a")) if op.get("a") is not None else []
             kwargs_tree = op.get("k") or {}
@@ -217,12 +217,12 @@ class _Slot:
 
 class _Size:
     """A size symbol in a sequence's arguments: integer ``i`` of what operator ``op``
-    returned in this replay (:func:`wire.value_size_leaves`), e.g. the length of a boolean
+    returned in this replay, times ``factor`` (:func:`wire.value_size_leaves`), e.g. the length of a boolean
     mask's selection that a later ``topk`` or ``view`` takes as a plain int."""
-    __slots__ = ("op", "i")
+    __slots__ = ("op", "i", "factor")
 
-    def __init__(self, op: int, i: int):
-        self.op, self.i = op, i
+    def __init__(self, op: int, i: int, factor: int = 1):
+        self.op, self.i, self.factor = op, i, factor
 
 
 def _fill(obj, tensor_of, size_of=None):
@@ -575,7 +575,7 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
             # the data gave this operator fewer outputs than the record: the robot's
             # program will not make this call either (it diverges), so refuse the replay
             raise _bad(f"size symbol [{sym.op}, {sym.i}]: operator {sym.op} returned no such size")
-        return known[sym.i]
+        return known[sym.i] * sym.factor
     for pair in spec.get("inputs", []):
         if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int) \
                 or not 0 <= pair[0] < seq.n_inputs:

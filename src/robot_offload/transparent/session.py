@@ -1060,7 +1060,13 @@ class RemoteSession:
             if kind == "i":
                 if isinstance(actual, RemoteTensor) and actual._pending is not None:
                     raise Mismatch(f"operator {j}: an input is now computed inside the sequence")
-                if wire.tensor_meta(actual) != spec.seq.input_metas[val]:
+                want = spec.seq.input_metas[val]
+                if spec.seq.size_ops:      # an input whose shape is a size of this frame
+                    try:
+                        want = resolve_sizes(want, spec.sizes)
+                    except (KeyError, IndexError, ValueError):
+                        raise Mismatch(f"operator {j}: input {val}'s size is not known yet") from None
+                if wire.tensor_meta(actual) != want:
                     raise Mismatch(f"operator {j}: input {val} has shape {list(actual.shape)} {actual.dtype}")
                 prev = spec.inputs.get(val, bind.get(val))
                 if prev is not None and prev is not actual:
@@ -1407,9 +1413,10 @@ def _compile_check(op: dict, schema_of):
 
 
 def _size_matches(spec, symbol, a) -> bool:
-    """Whether int ``a`` is what size symbol (op, i) stands for in this frame."""
+    """Whether int ``a`` is what size symbol (op, i[, factor]) stands for in this frame."""
     known = spec.sizes.get(symbol[0])
-    return type(a) is int and known is not None and symbol[1] < len(known) and a == known[symbol[1]]
+    return (type(a) is int and known is not None and symbol[1] < len(known)
+            and a == known[symbol[1]] * (symbol[2] if len(symbol) > 2 else 1))
 
 
 def _version_of(t: torch.Tensor) -> int:

@@ -138,8 +138,9 @@ class Decoder:
         if key == "t":
             return self.tensor_of(val)
         if key == "z" and self.size_of is not None:
-            if not (isinstance(val, list) and len(val) == 2
-                    and all(type(v) is int and v >= 0 for v in val)):
+            # [op, i] or [op, i, factor]: integer i of what op returned (times factor)
+            if not (isinstance(val, list) and len(val) in (2, 3)
+                    and all(type(v) is int and v >= 0 for v in val) and val[2:] != [0]):
                 raise WireError(f"malformed size symbol {str(val)[:40]}")
             return self.size_of(val)
         if key == "l":
