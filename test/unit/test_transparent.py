@@ -595,6 +595,30 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
 
 
+def test_in_place_writes_into_a_tensor_of_a_data_dependent_size():
+    """``flags[sel > 0.3] = True`` writes in place into a tensor as long as the selection:
+    its result is its input (no shape of its own to take from the reply); the frames
+    replay in one round trip with the plain program's output."""
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.ones(64))
+    sess = _session()
+    trips = []
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.rand(64) * (0.3 + 0.05 * i)
+            def f(x):
+                h = x * w
+                sel = h[h > 0.1]                                  # n values
+                flags = torch.zeros_like(sel, dtype=torch.bool)
+                flags[sel > 0.3] = True                           # in place, n long
+                return torch.stack([sel[flags].sum(), sel.view(sel.numel(), 1).sum()])
+            trips.append(_frame(sess, f, x))
+    assert sess.stats.sequences_identified == 1 and sess.stats.divergences == 0, sess.stats
+    # (the True written is a robot tensor built after the sync point: predicted, and the
+    # early replay possible, once its content has repeated in two replays)
+    assert trips[5:] == [1] * 3, trips
+
+
 def test_a_tensor_the_program_builds_of_a_data_dependent_size():
     """After its sync point the program builds a robot tensor as long as the selection
     (``torch.full((n,), 1.5)``, as detectors build level indices): the sequence's input of

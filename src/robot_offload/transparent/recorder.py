@@ -118,6 +118,30 @@ class Sequence:
         return [j for j in range(self.n_ops) if self.sync[j] or self.sized[j]]
 
 
+def _own_sizes(tree, q: int):
+    """Sync operator ``q``'s return with each integer that :func:`wire.size_leaves` counts
+    (shapes, int values) replaced by the symbol of itself, ``{"z": [q, i]}``."""
+    counter = [0]
+
+    def own():
+        counter[0] += 1
+        return {"z": [q, counter[0] - 1]}
+
+    def walk(node):
+        if type(node) is int or (isinstance(node, dict) and len(node) == 1 and "z" in node):
+            return own()
+        if isinstance(node, dict) and len(node) == 1:
+            (key, val), = node.items()
+            if key == "t" and isinstance(val, dict):
+                val = dict(val)
+                val["s"] = [own() for _ in val.get("s") or ()]
+                return {"t": val}
+            if key == "l" and isinstance(val, list):
+                return {"l": [walk(v) for v in val]}
+        return node
+    return walk(tree)
+
+
 def _returns_an_input(tree) -> bool:
     stack = [tree]
     while stack:
@@ -159,6 +183,29 @@ def _size_refs(tree, out: set) -> set:
         elif isinstance(node, list):
             stack.extend(node)
     return out
+
+
+def frame_return(recorded, actual):
+    """The return of an operator whose shapes change with the data, for this frame: the
+    record's structure, dtypes and aliasing (an in-place result names its input), with the
+    shapes, strides and values of ``actual``, the server's run of it (or its meta kernel's
+    on this call's arguments). ValueError where the two differ in structure or dtype."""
+    if isinstance(recorded, dict) and len(recorded) == 1 and isinstance(recorded.get("t"), dict):
+        meta = recorded["t"]
+        if "a" in meta:
+            return recorded
+        got = actual.get("t") if isinstance(actual, dict) and len(actual) == 1 else None
+        if not isinstance(got, dict) or got.get("d") != meta.get("d") or "s" not in got:
+            raise ValueError(f"a tensor of {got and got.get('d')} where the record has {meta.get('d')}")
+        out = dict(meta)
+        out.update(s=got["s"], st=got["st"], o=got.get("o", 0))
+        return {"t": out}
+    if isinstance(recorded, dict) and len(recorded) == 1 and isinstance(recorded.get("l"), list):
+        items = actual.get("l") if isinstance(actual, dict) and len(actual) == 1 else None
+        if not isinstance(items, list) or len(items) != len(recorded["l"]):
+            raise ValueError("another number of results than recorded")
+        return {"l": [frame_return(r, a) for r, a in zip(recorded["l"], items)]}
+    return actual        # a value: this frame's
 
 
 def resolve_sizes(tree, sizes: Dict[int, list], actual=None):
@@ -459,8 +506,11 @@ class Recorder:
                 ops.append({"op": b["op"], "a": merge(a["a"], b["a"], q), "k": merge(a["k"], b["k"], q)})
             rets = []
             for q, (i, k) in enumerate(zip(old, new)):
-                rets.append(merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q,
-                                  syncs[q], True))
+                ret = merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q, syncs[q], True)
+                if syncs[q] and not _returns_an_input(ret):
+                    # a sync point's sizes are the frame's, even those both recordings shared
+                    ret = _own_sizes(ret, q)
+                rets.append(ret)
             # an input the program builds after a sync point, of the size it returned
             # (torch.full((n,), level)): its shape may name a symbol of an earlier sync point
             first_read = {}

@@ -67,7 +67,8 @@ from robot_offload import codec
 from robot_offload.errors import OffloadError, RemoteError, TransportError
 from robot_offload.protocol import ComputeRequest, StatusCode, raise_for_status
 from robot_offload.transparent import wire
-from robot_offload.transparent.recorder import RecordedOp, Recorder, Sequence, resolve_sizes
+from robot_offload.transparent.recorder import (RecordedOp, Recorder, Sequence, frame_return,
+                                                resolve_sizes)
 from robot_offload.transparent.server import ENTRY, content_digest
 
 log = logging.getLogger(__name__)
@@ -494,6 +495,14 @@ class RemoteSession:
             return (id(base), tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset()), base
         return (id(t),), t
 
+    def _same_view(self, a, b) -> bool:
+        """Two robot tensors that are the same view of the same base (``widths[:, None]``
+        written twice): one upload in the record, one input of the sequence."""
+        if isinstance(a, RemoteTensor) or isinstance(b, RemoteTensor):
+            return False
+        (key_a, base_a), (key_b, base_b) = self._cache_key(a), self._cache_key(b)
+        return base_a is base_b and base_a is not a and key_a == key_b
+
     def _cached_handle(self, t: torch.Tensor):
         key, owner = self._cache_key(t)
         entry = self._uploaded.get(key)
@@ -832,11 +841,8 @@ class RemoteSession:
                 sized, actual = self._sized_from_early(spec, j)
             if sized is None and not seq.sync[j]:
                 sized = self._sized_by_meta(spec, j, func, args, kwargs)
-                if sized is None:
-                    self._diverge(f"operator {j}: no shapes for this frame's sizes")
-                    return self._transparent(func, args, kwargs, record=True)
-            # a sync point without them: stand-ins of the recorded shapes until the replay
-            # up to it returns the real ones (below)
+            # otherwise: stand-ins of the recorded shapes until the replay up to this
+            # operator returns the real ones (below), as for a sync point
             ret = sized if sized is not None else seq.recorded_rets[j]
         meta = _single_new_tensor(ret)
         if meta is not None:
@@ -858,8 +864,9 @@ class RemoteSession:
             self.stats.inferences[-1].ops += 1
         if sized is not None and seq.sync[j] and not out_tensors:
             out = self._decode_return(func, args, kwargs, actual)     # values: this frame's
-        if seq.sync[j] and sized is None:
-            actual = self._early_sync_result(spec, j, ret) if spec.early is not None else None
+        if (seq.sync[j] or seq.sized[j]) and sized is None:
+            actual = (self._early_sync_result(spec, j, ret)
+                      if spec.early is not None and not seq.sized[j] else None)
             if actual is None:
                 actual = self._flush("a value or data-dependent shape", sync_op=j)
             if seq.sized[j]:
@@ -874,6 +881,10 @@ class RemoteSession:
                 # real shapes (same server tensors) and record again from here.
                 self._spec = None
                 self._note_divergence(spec, f"operator {j} returned other shapes than recorded")
+                if len(_metas_in(actual)) != len(_metas_in(ret)):
+                    # another number of tensors (unbind of a data-dependent length): the
+                    # replay kept only the recorded ones, so run the operator again
+                    return self._transparent(func, args, kwargs, record=True)
                 return self._decode_return(func, args, kwargs, self._rebuild_ret(actual, out_tensors))
             if not out_tensors:
                 out = self._decode_return(func, args, kwargs, actual)
@@ -883,10 +894,10 @@ class RemoteSession:
         return out
 
     def _sized_from_early(self, spec, j: int):
-        """(operator ``j``'s return with this frame's sizes, the server's return) from the
-        early reply (which carries the return of every sync and sized operator); (None,
-        None), with the early reply dropped, when the reply cannot be used or its shapes are not the record's with the
-        symbols filled in."""
+        """(operator ``j``'s return with this frame's shapes, the server's return) from the
+        early reply, which carries the return of every sync and sized operator; (None,
+        None), with the early reply dropped, when the reply cannot be used or differs from
+        the record in structure or dtype."""
         seq = spec.seq
         result, _ = self._early_reply(spec)
         if result is None:
@@ -897,10 +908,10 @@ class RemoteSession:
             try:
                 if j in seq.size_ops:
                     spec.sizes[j] = wire.size_leaves(actual)
-                resolved = resolve_sizes(seq.rets[j], spec.sizes, actual)
+                resolved = frame_return(seq.rets[j], actual)
             except (KeyError, IndexError, TypeError, ValueError):
                 resolved = None
-        if resolved is None or not _same_shapes(actual, resolved):
+        if resolved is None:
             self._drop_early(spec, result)
             return None, None
         if seq.sync[j]:
@@ -908,40 +919,46 @@ class RemoteSession:
         return resolved, actual
 
     def _sized_by_meta(self, spec, j: int, func, args, kwargs):
-        """Operator ``j``'s return with this frame's sizes where no reply says them: the
-        record's with the symbols filled in, when the operator's meta kernel gives the same
-        shapes for this call's arguments (else None). It is no sync point, so its shapes
-        follow from its arguments' shapes."""
+        """Operator ``j``'s return with this frame's shapes where no reply says them: its
+        meta kernel's on this call's arguments (None without one). It is no sync point, so
+        its shapes follow from its arguments' shapes."""
         try:
             m_args, m_kwargs = tree_map(
                 lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
                 if isinstance(a, torch.Tensor) else a, (args, kwargs))
             out = func(*m_args, **m_kwargs)
-            computed = wire.encode(out, wire.tensor_meta)
-            resolved = resolve_sizes(spec.seq.rets[j], spec.sizes, computed)
-        except Exception:  # noqa: BLE001 - no meta kernel, a symbol not known: diverge
+            return frame_return(spec.seq.rets[j], wire.encode(out, wire.tensor_meta))
+        except Exception:  # noqa: BLE001 - no meta kernel, another structure: a round trip
             return None
-        return resolved if _same_shapes(computed, resolved) else None
 
     def _sized_after_flush(self, spec, j: int, func, args, kwargs, actual, stand_ins):
-        """After the replay up to sync operator ``j`` (no early reply): its outputs as
-        proxies of the real shapes (the stand-ins' server tensors moved into them), when
-        they are the record's with the symbols filled in; else None (the caller diverges)."""
+        """After the replay up to sized operator ``j`` (no early reply): its outputs as
+        proxies of the real shapes (the stand-ins' server tensors moved into them); None
+        where its return differs from the record in structure or dtype (the caller
+        diverges)."""
         seq = spec.seq
         try:
             if j in seq.size_ops:
                 spec.sizes[j] = wire.size_leaves(actual)
-            resolved = resolve_sizes(seq.rets[j], spec.sizes, actual)
+            resolved = frame_return(seq.rets[j], actual)
         except (KeyError, IndexError, TypeError, ValueError):
             return None
-        if not _same_shapes(actual, resolved) or any("a" in m for m in _metas_in(resolved)):
-            return None
-        if not stand_ins:
-            return self._decode_return(func, args, kwargs, actual)     # values: this frame's
-        out = self._decode_return(func, args, kwargs, self._rebuild_ret(resolved, stand_ins))
-        for k, t in enumerate(t for t in wire.leaves(out) if isinstance(t, RemoteTensor)):
-            t._origin = (spec, j, k)
-            spec.proxies[(j, k)] = weakref.ref(t)
+        metas = _metas_in(resolved)
+        if not any("a" not in m for m in metas):
+            return self._decode_return(func, args, kwargs, resolved)   # values, or its input
+        # the stand-ins of the new tensors, in order (an in-place result is its input)
+        olds = [t for t, m in zip(stand_ins, _metas_in(seq.recorded_rets[j])) if "a" not in m]
+        out = self._decode_return(func, args, kwargs, self._rebuild_ret(resolved, olds))
+        leaves = [t for t in wire.leaves(out) if isinstance(t, RemoteTensor)]
+        news = iter(olds)
+        for k, (t, m) in enumerate(zip(leaves, metas)):
+            if "a" not in m:
+                t._origin = (spec, j, k)
+                spec.proxies[(j, k)] = weakref.ref(t)
+                old = next(news, None)
+                fetched = getattr(old, "_fetched", None)
+                if fetched is not None and fetched.numel() == t.numel():
+                    t._value = self._to_robot(fetched, t)
         return out
 
     def _match_call(self, spec, j, name, args, kwargs) -> dict:
@@ -1012,6 +1029,8 @@ class RemoteSession:
 
         def walk(node):
             if isinstance(node, dict) and len(node) == 1 and "t" in node:
+                if "a" in node["t"]:
+                    return node       # the operator's input, handed back
                 meta = dict(node["t"])
                 old = next(olds, None)
                 meta["h"] = old.handle if old is not None else None
@@ -1069,7 +1088,7 @@ class RemoteSession:
                 if wire.tensor_meta(actual) != want:
                     raise Mismatch(f"operator {j}: input {val} has shape {list(actual.shape)} {actual.dtype}")
                 prev = spec.inputs.get(val, bind.get(val))
-                if prev is not None and prev is not actual:
+                if prev is not None and prev is not actual and not self._same_view(prev, actual):
                     raise Mismatch(f"operator {j}: input {val} is another tensor than before")
                 bind[val] = actual
                 return
@@ -1215,7 +1234,11 @@ class RemoteSession:
         for key, enc in zip(fetch, response.tensors):
             p = alive.get(key)
             if p is not None:
-                p._value = self._to_robot(codec.decode(enc), p)
+                value = codec.decode(enc)
+                if value.numel() == p.numel():
+                    p._value = self._to_robot(value, p)
+                else:   # a stand-in of a sized operator: the proxy that replaces it takes it
+                    p._fetched = value
 
     def _send_early(self, spec) -> None:
         """Send the whole sequence now, on the worker thread (see the module docstring)."""
