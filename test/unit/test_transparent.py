@@ -595,24 +595,33 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
 
 
-def test_in_place_writes_into_a_tensor_of_a_data_dependent_size():
-    """``flags[sel > 0.3] = True`` writes in place into a tensor as long as the selection:
-    its result is its input (no shape of its own to take from the reply); the frames
-    replay in one round trip with the plain program's output."""
-    torch.manual_seed(3)
+def _selection_frames(seed, after_selection, frames=8):
+    """Frames of ``after_selection(h[h > 0.1])`` with ``h = x * w``, whose selection has a
+    different length each frame, plainly and under a record_replay session (asserting the
+    same output); (session, round trips of each frame)."""
+    torch.manual_seed(seed)
     w = nn.Parameter(torch.ones(64))
     sess = _session()
     trips = []
     with torch.no_grad():
-        for i in range(8):
+        for i in range(frames):
             x = torch.rand(64) * (0.3 + 0.05 * i)
             def f(x):
                 h = x * w
-                sel = h[h > 0.1]                                  # n values
-                flags = torch.zeros_like(sel, dtype=torch.bool)
-                flags[sel > 0.3] = True                           # in place, n long
-                return torch.stack([sel[flags].sum(), sel.view(sel.numel(), 1).sum()])
+                return after_selection(h[h > 0.1])               # n values: a sync point
             trips.append(_frame(sess, f, x))
+    return sess, trips
+
+
+def test_in_place_writes_into_a_tensor_of_a_data_dependent_size():
+    """``flags[sel > 0.3] = True`` writes in place into a tensor as long as the selection:
+    its result is its input (no shape of its own to take from the reply); the frames
+    replay in one round trip with the plain program's output."""
+    def after(sel):
+        flags = torch.zeros_like(sel, dtype=torch.bool)
+        flags[sel > 0.3] = True                           # in place, n long
+        return torch.stack([sel[flags].sum(), sel.view(sel.numel(), 1).sum()])
+    sess, trips = _selection_frames(3, after)
     assert sess.stats.sequences_identified == 1 and sess.stats.divergences == 0, sess.stats
     # (the True written is a robot tensor built after the sync point: predicted, and the
     # early replay possible, once its content has repeated in two replays)
@@ -625,19 +634,10 @@ def test_a_tensor_the_program_builds_of_a_data_dependent_size():
     that shape is a size symbol too. Its content changes with n, so it is uploaded when
     the program builds it: the early replay cannot leave before, and the sync point costs
     a round trip. Identified with symbols, no divergence, the plain program's outputs."""
-    torch.manual_seed(2)
-    w = nn.Parameter(torch.ones(64))
-    sess = _session()
-    trips = []
-    with torch.no_grad():
-        for i in range(8):
-            x = torch.rand(64) * (0.3 + 0.05 * i)
-            def f(x):
-                h = x * w
-                sel = h[h > 0.1]                                  # n values
-                scale = torch.full((sel.numel(),), 1.5)           # a robot tensor of n
-                return (sel * scale).sort().values[-3:]
-            trips.append(_frame(sess, f, x))
+    def after(sel):
+        scale = torch.full((sel.numel(),), 1.5)           # a robot tensor of n
+        return (sel * scale).sort().values[-3:]
+    sess, trips = _selection_frames(2, after)
     assert sess.stats.sequences_identified == 1 and sess.stats.divergences == 0, sess.stats
     seq = next(iter(sess.recorder.sequences.values()))
     assert any("z" in json.dumps(m) for m in seq.input_metas), seq.input_metas
