@@ -595,6 +595,26 @@ def test_a_size_the_program_does_not_pass_on_diverges_and_stays_correct():
             assert all(t <= 3 for t in trips[3:5]), trips   # two sync points, the end
 
 
+@pytest.mark.parametrize("early_replay", [True, False])
+def test_a_robot_write_into_an_input_between_two_reads(early_replay):
+    """The program reads its tensor, doubles it in place on the robot, reads it again.
+    The replay sends its inputs when it is sent, after the write: it must send what the
+    program passed at the first read (it used to send the doubled tensor for both, a
+    wrong output from the fourth frame on)."""
+    w = nn.Parameter(torch.full((16,), 0.5))
+    sess = _session(early_replay=early_replay)
+    trips = []
+    with torch.no_grad():
+        for i in range(7):
+            def f(x):
+                x = x.clone()          # the inference's own robot tensor
+                h = x * w
+                x.mul_(2)              # robot-side, in place, between the two reads
+                return h + x * w
+            trips.append(_frame(sess, f, torch.linspace(-1, 1, 16) + i))
+    assert sess.stats.divergences == 0 and trips[4:] == [1] * 3, (trips, sess.stats)
+
+
 def _selection_frames(seed, after_selection, frames=8):
     """Frames of ``after_selection(h[h > 0.1])`` with ``h = x * w``, whose selection has a
     different length each frame, plainly and under a record_replay session (asserting the

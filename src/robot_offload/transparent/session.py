@@ -328,6 +328,8 @@ class RemoteSession:
                     # input, bookkeeping) stays on the robot; and a view of a weight stays a view
                     # of robot memory (programs write through them: YOLO's bias initialisation).
                     self.stats.ops_local += 1
+                    if self._spec is not None and self._schema(func)[0]:
+                        self._keep_written_inputs(func, args, kwargs)
                     return func(*args, **kwargs)
                 if self._writes_robot_tensor(func, args, kwargs) or self.down.is_set():
                     return self._run_locally(func, args, kwargs)
@@ -445,6 +447,24 @@ class RemoteSession:
         if i < len(args):
             return args[i]
         return kwargs.get(name)
+
+    def _keep_written_inputs(self, func, args, kwargs) -> None:
+        """A robot-side operator is about to write into a robot tensor the replay has
+        bound as an input (``x.mul_(2)`` between two reads of ``x``): the replay sends
+        inputs when it is sent (and again after a dropped early reply), and it must send
+        what the program passed, so it keeps a copy of that. (Recording uploaded the
+        tensor at the read, before the write; the read after it is another input.)"""
+        spec = self._spec
+        for pn in self._schema(func)[0]:
+            v = self._arg(args, kwargs, pn)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if not isinstance(t, torch.Tensor) or isinstance(t, RemoteTensor):
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+                for idx, bound in list(spec.inputs.items()):
+                    if (not isinstance(bound, RemoteTensor)
+                            and bound.untyped_storage().data_ptr() == ptr):
+                        spec.inputs[idx] = bound.clone()
 
     def _writes_robot_tensor(self, func, args, kwargs) -> bool:
         written, _, _, _, _ = self._schema(func)
