@@ -89,13 +89,10 @@ class Sequence:
         if self.size_ops or any(_has_size(m) for m in self.input_metas):
             sized_inputs = {i for i, m in enumerate(self.input_metas) if _has_size(m)}
             for j, op in enumerate(self.ops):
-                refs = wire.tensor_ref_refs(op["a"], [])
-                for v in (op["k"] or {}).values():
-                    wire.tensor_ref_refs(v, refs)
                 self.sized[j] = (_has_size(self.rets[j]) or _has_size(op["a"]) or _has_size(op["k"])
                                  or any(isinstance(r, dict) and (("o" in r and self.sized[r["o"][0]])
                                                                  or r.get("i") in sized_inputs)
-                                        for r in refs))
+                                        for r in wire.op_tensor_refs(op)))
         if self.recorded_rets is None:
             self.recorded_rets = self.rets
 
@@ -208,26 +205,18 @@ def frame_return(recorded, actual):
     return actual        # a value: this frame's
 
 
-def resolve_sizes(tree, sizes: Dict[int, list], actual=None):
-    """A recorded return ``tree`` with this frame's integers: a size symbol ``{"z": [op,
-    i]}`` becomes what ``op`` returned (``sizes``), ``{"z": [op, i, f]}`` f times that, and ``{"z": []}`` -- an integer no
-    single size explains, such as the length of a ``cat`` of several selections -- the
-    integer at the same place of ``actual``, the return as the server (or the operator's
-    meta kernel) gave it this frame. KeyError, IndexError or ValueError when one is
-    missing."""
+def resolve_sizes(tree, sizes: Dict[int, list]):
+    """A recorded input's meta with this frame's integers: a size symbol ``{"z": [op,
+    i]}`` becomes what ``op`` returned (``sizes``), ``{"z": [op, i, f]}`` f times that.
+    KeyError or IndexError when an operator named has not returned it (yet). (Returns
+    take this frame's shapes whole: :func:`frame_return`.)"""
     if isinstance(tree, dict):
         if len(tree) == 1 and "z" in tree:
             z = tree["z"]
-            if not z:
-                if type(actual) is not int:
-                    raise ValueError("no integer in this frame's return where the record has one")
-                return actual
             return sizes[z[0]][z[1]] * (z[2] if len(z) > 2 else 1)
-        return {k: resolve_sizes(v, sizes, actual.get(k) if isinstance(actual, dict) else None)
-                for k, v in tree.items()}
+        return {k: resolve_sizes(v, sizes) for k, v in tree.items()}
     if isinstance(tree, list):
-        n = len(actual) if isinstance(actual, list) else 0
-        return [resolve_sizes(v, sizes, actual[i] if i < n else None) for i, v in enumerate(tree)]
+        return [resolve_sizes(v, sizes) for v in tree]
     return tree
 
 
@@ -515,10 +504,7 @@ class Recorder:
             # (torch.full((n,), level)): its shape may name a symbol of an earlier sync point
             first_read = {}
             for q, op in enumerate(ops_new):
-                refs = wire.tensor_ref_refs(op["a"], [])
-                for v in (op["k"] or {}).values():
-                    wire.tensor_ref_refs(v, refs)
-                for r in refs:
+                for r in wire.op_tensor_refs(op):
                     if isinstance(r, dict) and "i" in r:
                         first_read.setdefault(r["i"], q)
             q = 0

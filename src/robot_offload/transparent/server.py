@@ -97,11 +97,7 @@ class Sequence:
         self.const_handles: List[object] = []
         const_index: Dict[tuple, int] = {}
         for j, op in enumerate(ops):
-            refs = wire.tensor_ref_refs(op.get("a"), [])
-            if isinstance(op.get("k"), dict):           # keyword values, each a JSON tree
-                for v in op["k"].values():
-                    wire.tensor_ref_refs(v, refs)
-            for ref in refs:
+            for ref in wire.op_tensor_refs(op):
                 if not isinstance(ref, dict) or len(ref) != 1:
                     raise _bad(f"sequence op {j}: malformed reference {str(ref)[:60]}")
                 (kind, val), = ref.items()

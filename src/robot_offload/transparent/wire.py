@@ -224,6 +224,16 @@ def tensor_ref_refs(obj, out: list) -> list:
     return out
 
 
+def op_tensor_refs(op: dict) -> list:
+    """Every tensor reference of a define-form operator ``{"op", "a", "k"}``: its
+    positional arguments', then each keyword value's."""
+    refs = tensor_ref_refs(op.get("a"), [])
+    if isinstance(op.get("k"), dict):           # keyword values, each a JSON tree
+        for v in op["k"].values():
+            tensor_ref_refs(v, refs)
+    return refs
+
+
 def leaves(obj) -> list:
     """The leaves of an operator's arguments or result, depth first (lists, tuples and
     dicts nest: the only containers aten uses). Cheaper than torch's pytree on the
