@@ -76,20 +76,25 @@ class Sequence:
 
     def __post_init__(self):
         self.n_ops = len(self.ops)
-        # size_ops: the operators whose returns define size symbols. sized[j]: op j's shapes
-        # may change with the data, so each replay takes them from the server's run (or a
-        # meta kernel), never from the record: its return names a symbol, an argument does,
-        # or it reads a tensor of such an operator or an input of a shape that changes.
-        # (An operator whose return was the same in both recordings may still change: x[:10]
-        # of an x that had 12 and 15 elements there and has 5 now.)
+        # size_ops: the operators whose returns define the size symbols of arguments and
+        # inputs. has_sizes: the sequence was unified from inferences of other sizes
+        # (Recorder.unify). sized[j]: then op j's shapes may change with the data, so each
+        # replay takes them from the server's run (or a meta kernel), never from the record:
+        # it is a sync point (its sizes are the frame's, even those both recordings shared),
+        # its return differed, an argument names a symbol, or it reads a tensor of such an
+        # operator or an input whose shape names one. (An operator whose return was the
+        # same in both recordings may still change: x[:10] of an x that had 12 and 15
+        # elements there and has 5 now.)
         self.size_ops = set()
-        for tree in [op["a"] for op in self.ops] + [op["k"] for op in self.ops] + list(self.rets):
+        for tree in [op["a"] for op in self.ops] + [op["k"] for op in self.ops] + list(self.input_metas):
             _size_refs(tree, self.size_ops)
+        self.has_sizes = bool(self.size_ops) or any(_has_size(r) for r in self.rets)
         self.sized = [False] * self.n_ops
-        if self.size_ops or any(_has_size(m) for m in self.input_metas):
+        if self.has_sizes:
             sized_inputs = {i for i, m in enumerate(self.input_metas) if _has_size(m)}
             for j, op in enumerate(self.ops):
-                self.sized[j] = (_has_size(self.rets[j]) or _has_size(op["a"]) or _has_size(op["k"])
+                self.sized[j] = ((self.sync[j] and not _returns_an_input(self.rets[j]))
+                                 or _has_size(self.rets[j]) or _has_size(op["a"]) or _has_size(op["k"])
                                  or any(isinstance(r, dict) and (("o" in r and self.sized[r["o"][0]])
                                                                  or r.get("i") in sized_inputs)
                                         for r in wire.op_tensor_refs(op)))
@@ -115,30 +120,6 @@ class Sequence:
         return [j for j in range(self.n_ops) if self.sync[j] or self.sized[j]]
 
 
-def _own_sizes(tree, q: int):
-    """Sync operator ``q``'s return with each integer that :func:`wire.size_leaves` counts
-    (shapes, int values) replaced by the symbol of itself, ``{"z": [q, i]}``."""
-    counter = [0]
-
-    def own():
-        counter[0] += 1
-        return {"z": [q, counter[0] - 1]}
-
-    def walk(node):
-        if type(node) is int or (isinstance(node, dict) and len(node) == 1 and "z" in node):
-            return own()
-        if isinstance(node, dict) and len(node) == 1:
-            (key, val), = node.items()
-            if key == "t" and isinstance(val, dict):
-                val = dict(val)
-                val["s"] = [own() for _ in val.get("s") or ()]
-                return {"t": val}
-            if key == "l" and isinstance(val, list):
-                return {"l": [walk(v) for v in val]}
-        return node
-    return walk(tree)
-
-
 def _returns_an_input(tree) -> bool:
     stack = [tree]
     while stack:
@@ -153,7 +134,7 @@ def _returns_an_input(tree) -> bool:
 
 
 def _has_size(tree) -> bool:
-    """Whether a JSON tree holds a size symbol or a ``{"z": []}`` (see resolve_sizes)."""
+    """Whether a JSON tree holds a size symbol or a ``{"z": []}`` (an integer of a return that this frame's reply gives, see frame_return)."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -411,12 +392,15 @@ class Recorder:
         tensors but with other sizes, or None. Detectors select boxes by score: a boolean
         mask, ``nonzero`` or NMS returns as many as the data keep, and the program passes
         that count on as a plain int (``topk(min(k, n))``, ``view(n, 4)``, ``split``).
-        Every integer that differs between the two must equal, in both, one integer of
-        what an earlier sync operator returned (:func:`wire.size_leaves`); it becomes the
-        size symbol ``{"z": [op, i]}``, which the server fills from its own run of that
-        operator and the robot checks the program's argument against. Anything else that
-        differs (an operator, a tensor read, a float, a dtype, a stride that is a product
-        of sizes, an input's shape) leaves the sequence unidentified, as before.
+        Every integer of an argument or of an input's shape that differs between the two
+        must equal (or be a multiple of), in both, one integer of what an earlier sync
+        operator returned (:func:`wire.size_leaves`); it becomes the size symbol
+        ``{"z": [op, i]}`` (``[op, i, factor]``), which the server fills from its own run of
+        that operator and the robot checks the program's argument against. An integer of a
+        return that differs becomes ``{"z": []}``: the operator is sized, and each frame's
+        reply gives its shapes (:func:`frame_return`). Anything else that differs (an
+        operator, a tensor read, a float, a dtype, an argument no size explains) leaves the
+        sequence unidentified, as before.
 
         The latest such operator wins a tie; a wrong guess cannot give a wrong result: the
         robot compares every argument and every sync result with the symbol's value in
@@ -446,6 +430,8 @@ class Recorder:
             pass
 
         def symbol(a, b, before, in_return):
+            if in_return:       # a shape the server's reply (or a meta kernel) will give
+                return {"z": []}
             for p, i in where.get((a, b), ()):
                 if p < before:
                     return {"z": [p, i]}
@@ -460,8 +446,6 @@ class Recorder:
                             break
             if best is not None:
                 return {"z": list(best)}
-            if in_return:       # a shape the server's reply (or a meta kernel) will give
-                return {"z": []}
             raise Differs(f"{a} and {b}, no size of an earlier sync point")
 
         def merge(x, y, before, data=False, in_return=False):
@@ -495,11 +479,7 @@ class Recorder:
                 ops.append({"op": b["op"], "a": merge(a["a"], b["a"], q), "k": merge(a["k"], b["k"], q)})
             rets = []
             for q, (i, k) in enumerate(zip(old, new)):
-                ret = merge(self.ops[i].ret, self.ops[k].ret, q + 1 if syncs[q] else q, syncs[q], True)
-                if syncs[q] and not _returns_an_input(ret):
-                    # a sync point's sizes are the frame's, even those both recordings shared
-                    ret = _own_sizes(ret, q)
-                rets.append(ret)
+                rets.append(merge(self.ops[i].ret, self.ops[k].ret, q, syncs[q], True))
             # an input the program builds after a sync point, of the size it returned
             # (torch.full((n,), level)): its shape may name a symbol of an earlier sync point
             first_read = {}

@@ -774,7 +774,7 @@ class RemoteSession:
                     if seq is not None:
                         self.stats.sequences_identified += 1
                         log.info("identified an operator sequence of %d operators (%s%s)", seq.n_ops,
-                                 seq.seq_id, ", with size symbols" if seq.size_ops else "")
+                                 seq.seq_id, ", with size symbols" if seq.has_sizes else "")
                     elif self.recorder.not_unified:
                         log.debug("two inferences differ: %s", self.recorder.not_unified)
                         self.recorder.not_unified = ""
@@ -847,7 +847,7 @@ class RemoteSession:
         # sequence with size symbols goes early before its first replay has ended too: only
         # the early reply says this frame's sizes without a round trip per sync point.
         if (self.early_replay and spec.early is None and spec.sent == 0 and seq.early_ok
-                and (seq.early_keep is not None or seq.size_ops) and j + 1 < seq.n_ops
+                and (seq.early_keep is not None or seq.has_sizes) and j + 1 < seq.n_ops
                 and all(i in spec.inputs or self._stable_handle(seq, i) is not None
                         for i in range(len(seq.input_metas)))):
             self._send_early(spec)
