@@ -12,4 +12,8 @@ setup(**generate_distutils_setup(packages=[
     "robot_offload.bench",
     "robot_offload.partition",
     "robot_offload.apps",
+    "robot_offload.transparent",
+    "robot_offload.server",
+    "robot_offload.server.executors",
+    "robot_offload.server.executors.ops",
 ], package_dir={"": "src"}))

@@ -10,4 +10,4 @@ from devices import SERVER_DEVICE
 @pytest.fixture(scope="session")
 def shared_server():
     """One in-process server for the whole session: models are built once."""
-    return OffloadServer(ServerConfig(device=SERVER_DEVICE))
+    return OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))

@@ -38,9 +38,6 @@ import json
 import logging
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -136,107 +133,6 @@ class InProcServer:
         self.transport.close()
 
 
-class RosServer:
-    """roscore on a free port and an offload_server node; restart = SIGKILL + a new node."""
-
-    def __init__(self, secret_file, workdir, threads=0):
-        import rospy  # ROS only from here on
-        self.workdir = workdir
-        self.threads = threads
-        self.secret_file = secret_file
-        os.environ.setdefault("ROS_HOME", os.path.join(workdir, "ros_home"))
-        os.environ.setdefault("ROS_LOG_DIR", os.path.join(os.environ["ROS_HOME"], "log"))
-        # A free port can be taken between choosing it and roscore binding it ("Address
-        # already in use", seen once in CI): try again on another port.
-        for attempt in range(3):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
-            self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                self._wait_master()
-                break
-            except RuntimeError:
-                if self.core.poll() is None or attempt == 2:
-                    raise
-        rospy.init_node("soak_client", anonymous=True, disable_signals=True)
-        from robot_offload.ros import logbridge
-        logbridge.cache_rosout_flag()
-        self.node = None
-        self.instances = []          # per server node: figures at first answer and at its end
-        self._start()
-        try:
-            rospy.wait_for_service("/offload_server/load_model", timeout=120)
-        except rospy.ROSException as e:
-            raise RuntimeError(f"offload_server did not come up: {e}; see server.log") from None
-        from robot_offload.ros.transport import RosServiceTransport
-        self.transport = RosServiceTransport("/offload_server",
-                                             auth_secret=auth.load_secret(secret_file or ""))
-
-    def _log(self, name):
-        return open(os.path.join(self.workdir, f"{name}.log"), "a")
-
-    def _wait_master(self, timeout_s=60):
-        import rosgraph
-        end = time.monotonic() + timeout_s
-        while not rosgraph.is_master_online():
-            if time.monotonic() > end or self.core.poll() is not None:
-                raise RuntimeError("roscore did not start; see roscore.log")
-            time.sleep(0.2)
-
-    def _start(self):
-        argv = ["rosrun", "robot_offload", "offload_server", "_device:=cpu", "_preload:=[]"]
-        if self.secret_file:
-            argv.append(f"_auth_secret_file:={self.secret_file}")
-        env = dict(os.environ)
-        if self.threads:
-            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        self.node = subprocess.Popen(argv, stdout=self._log("server"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
-        self.instances.append({"pid": self.node.pid, "baseline": None, "end": None})
-
-    def note_server(self, baseline=False):
-        """Record the current server node's figures as its latest (``baseline``: as the
-        point its growth is measured from: after it has served every mode once)."""
-        inst = self.instances[-1]
-        try:
-            fig = proc_figures(self._node_pid())
-        except (OSError, KeyError):
-            return
-        if baseline:
-            inst["baseline"] = fig
-        inst["end"] = fig
-
-    def _node_pid(self):
-        # rosrun execs the node script, so the Popen's pid is the node's.
-        return self.node.pid
-
-    def restart(self):
-        self.note_server()
-        os.kill(self.node.pid, signal.SIGKILL)
-        self.node.wait(10)
-        self._start()
-
-    def figures(self):
-        return self.instances
-
-    def close(self):
-        self.transport.close()
-        for proc in (self.node, self.core):
-            if proc is not None and proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGINT)
-                    proc.wait(15)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-
-
-# -- the run -------------------------------------------------------------------------------------
 def _check_output(out) -> bool:
     return isinstance(out, torch.Tensor) and out.ndim == 2 and bool(torch.isfinite(out).all())
 
@@ -249,6 +145,8 @@ def run(args) -> dict:
     secret = auth.load_secret(args.auth_secret_file or "")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.transport == "ros":
+        from robot_offload.ros.server_process import RosServer   # ROS only from here on
     server = (RosServer(args.auth_secret_file, workdir, args.threads) if args.transport == "ros"
               else InProcServer(secret))
     cfg = ClientConfig(model=args.model, mode="local", input_size=tuple(args.input_size),

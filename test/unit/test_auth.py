@@ -28,7 +28,7 @@ X = torch.randn(1, 3, 32, 32)
 
 @pytest.fixture(scope="module")
 def server():
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE), auth_secret=SECRET)
     r = s.handle("load_model", auth.sign_request(SECRET, "load_model", LoadModelRequest("t", "resnet18")))
     assert r.status == StatusCode.OK, r.status_text
     return s
@@ -211,7 +211,7 @@ def test_replay_cache_is_bounded_and_forgets_expired_nonces():
 
 
 def test_refusals_are_logged_throttled(caplog):
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE), auth_secret=SECRET)
     with caplog.at_level(logging.WARNING, logger="robot_offload.server"):
         for _ in range(50):
             assert s.handle("ping", PingRequest("t", b"")).status == StatusCode.UNAUTHORIZED
@@ -224,7 +224,7 @@ def test_refusals_are_logged_throttled(caplog):
 
 
 def test_per_client_allow_lists():
-    cfg = ServerConfig(device=SERVER_DEVICE, client_models={"robot1": ["resnet18"], "*": ["mobilenet_v2"]})
+    cfg = ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, client_models={"robot1": ["resnet18"], "*": ["mobilenet_v2"]})
     s = OffloadServer(cfg)
     ok = s.handle("load_model", LoadModelRequest("robot1", "resnet18"))
     assert ok.status == StatusCode.OK, ok.status_text
@@ -234,7 +234,7 @@ def test_per_client_allow_lists():
     r = s.handle("compute", _compute_req(client_id="robot2"))
     assert r.status == StatusCode.UNAUTHORIZED
     assert s.handle("compute", _compute_req(client_id="robot1")).status == StatusCode.OK
-    s2 = OffloadServer(ServerConfig(device=SERVER_DEVICE, client_models={"robot1": ["resnet18"]}))
+    s2 = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, client_models={"robot1": ["resnet18"]}))
     r = s2.handle("load_model", LoadModelRequest("robot3", "resnet18"))
     assert r.status == StatusCode.UNAUTHORIZED and "not in client_models" in r.status_text
     with pytest.raises(Unauthorized):
@@ -244,13 +244,13 @@ def test_per_client_allow_lists():
 @pytest.mark.parametrize("bad", [["resnet18"], {"robot1": "resnet18"}, {"robot1": [1]}, {1: ["resnet18"]}])
 def test_client_models_config_refused(bad):
     with pytest.raises(ConfigError):
-        ServerConfig(client_models=bad).validate()
+        ServerConfig(ops_sandbox=False, client_models=bad).validate()
     with pytest.raises(ConfigError):
-        ServerConfig(auth_max_skew_s=0).validate()
+        ServerConfig(ops_sandbox=False, auth_max_skew_s=0).validate()
 
 
 def test_client_with_wrong_secret_computes_locally():
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE), auth_secret=SECRET)
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE), auth_secret=SECRET)
     cfg = ClientConfig(model="resnet18", mode="full_offload", input_size=(32, 32), retry_interval_s=0.05)
     for secret, offloads in ((WRONG, False), (None, False), (SECRET, True)):
         client = OffloadClient(cfg, InProcessTransport(s, auth_secret=secret))

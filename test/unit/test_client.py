@@ -91,7 +91,7 @@ def test_server_down_then_restarted(x):
         assert not c.connect(timeout_s=0.5)
         _, stats = c.infer(x)
         assert stats.executed_mode == "local"
-        transport.server = OffloadServer(ServerConfig(device=SERVER_DEVICE))   # the server comes up
+        transport.server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))   # the server comes up
         deadline = time.monotonic() + 10
         while not c.link.available and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -99,7 +99,7 @@ def test_server_down_then_restarted(x):
         _, stats = c.infer(x)
         assert stats.executed_mode == "full_offload"
         # A restart loses the loaded model: the client reloads it and retries, no fallback.
-        transport.server = OffloadServer(ServerConfig(device=SERVER_DEVICE))
+        transport.server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))
         y, stats = c.infer(x)
         assert stats.executed_mode == "full_offload", stats.fallback_reason
         with torch.inference_mode():
@@ -114,7 +114,7 @@ def test_hash_mismatch_disables_offloading(tmp_path, x):
         next(spec_model.parameters()).add_(1.0)
     path = tmp_path / "other.pt"
     torch.save(spec_model.state_dict(), path)
-    server = OffloadServer(ServerConfig(device=SERVER_DEVICE))
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))
     c = _client(server, weights=str(path))
     try:
         assert not c.connect()

@@ -1,7 +1,7 @@
 """Fuzzing every handler of OffloadServer with hypothesis.
 
 For ``load_model``, ``ping`` and ``compute`` with every entry registered in
-``server.EXECUTORS`` *when the test runs* (so executors added later are fuzzed without
+the server's executors (``server.executors.CLASSES``) *when the test runs* (so executors added later are fuzzed without
 touching this file), at least :data:`N_MALFORMED` malformed requests each: every one must
 come back as a response of the right type with a non-OK status other than INTERNAL and a
 text, never as an exception. A malformed request here carries at least one defect the
@@ -23,13 +23,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from robot_offload import codec, server as server_mod
+from robot_offload import codec
 from robot_offload.codec import EncodedTensor
 from robot_offload.models import registry
-from robot_offload.partition import lop_executor
+from robot_offload.server import executors as server_executors
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     LoadModelResponse, PingRequest, PingResponse, StatusCode)
-from robot_offload.request_check import MAX_ARGS_JSON_CHARS, MAX_ARGS_JSON_DEPTH, MAX_TENSORS
+from robot_offload.server.request_check import MAX_ARGS_JSON_CHARS, MAX_ARGS_JSON_DEPTH, MAX_TENSORS
 from robot_offload.server import OffloadServer, ServerConfig
 
 from devices import SERVER_DEVICE, to_server
@@ -42,7 +42,8 @@ MODEL = "resnet18"
 KNOWN_MODELS = set(registry.names())
 FUZZ = settings(max_examples=N_MALFORMED, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
-ENTRIES = sorted(server_mod.EXECUTORS)
+ENTRIES = sorted(cls.ENTRY for cls in server_executors.CLASSES)
+MODEL_FREE_ENTRIES = {cls.ENTRY for cls in server_executors.CLASSES if not cls.NEEDS_MODEL}
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +54,10 @@ def fuzz_server():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # A lop finish waits for its part (10 s by default); nonsense finishes have none.
-    wait_s, lop_executor.wait_s = lop_executor.wait_s, 0.01
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_request_bytes=MAX_BYTES, max_input_elements=100_000))
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, max_request_bytes=MAX_BYTES, max_input_elements=100_000))
+    s.executors["lop_part"].wait_s = 0.01
     assert s.handle("load_model", LoadModelRequest("fuzz", MODEL)).status == StatusCode.OK
     yield s
-    lop_executor.wait_s = wait_s
     torch.set_num_threads(threads)
     logging.getLogger("robot_offload").setLevel(logging.NOTSET)
 
@@ -214,7 +214,7 @@ def malformed_compute(draw, entry):
     defects = draw(st.lists(st.sampled_from(
         ["tensor", "json", "output_codec", "output_compression", "text_type", "text_long",
          "too_large", "tensor_list", "unknown_model"]), min_size=1, max_size=3, unique=True))
-    if "unknown_model" in defects and entry in getattr(server_mod, "MODEL_FREE_ENTRIES", ()):
+    if "unknown_model" in defects and entry in MODEL_FREE_ENTRIES:
         defects = [d for d in defects if d != "unknown_model"] or ["tensor"]
     for d in defects:
         if d == "tensor":
@@ -274,7 +274,7 @@ def test_fuzz_compute_unknown_entries(fuzz_server, valid):
     seen = []
 
     @FUZZ
-    @given(entry=st.text(max_size=30).filter(lambda e: e not in server_mod.EXECUTORS), kw=noise())
+    @given(entry=st.text(max_size=30).filter(lambda e: e not in ENTRIES), kw=noise())
     def run(entry, kw):
         seen.append(1)
         r = fuzz_server.handle("compute", ComputeRequest(model=MODEL, entry=entry, tensors=[_BASE], **kw))

@@ -38,7 +38,7 @@ def test_record_replay_poses_equal_local(tmp_path):
     runner = KapaoRepoRunner(REPO, make_weights(tmp_path / "w.pt"), imgsz=128,
                              conf_thres_kp=0.0, conf_thres=0.0)
     runner.data["conf_thres_kp_person"] = 0.0
-    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     session = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
                             local_fallback=True)
     cam = SyntheticSource(160, 120, seed=1)

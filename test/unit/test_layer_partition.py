@@ -17,7 +17,7 @@ from robot_offload import backends, codec
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec, names
-from robot_offload.partition.executor import partition_tail
+from robot_offload.server.executors.partition import partition_tail
 from robot_offload.partition.graph import capture
 from robot_offload.partition.planner import PlanTable, options, plan_for, server_time
 from robot_offload.partition.profile import output_error, profile_path

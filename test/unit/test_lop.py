@@ -28,7 +28,7 @@ from robot_offload import backends, codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec
-from robot_offload.partition import lop_executor
+from robot_offload.server.executors import lop as lop_executor
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, capture
 from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, ROBOT_TAIL_MAX_SHARE, LopPlan, LopTable, Loss,
                                           RegionChoice, encodings_for, join_encoding,
@@ -560,29 +560,30 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
         for i, args in enumerate(bad):
             args = {**args, "frame": args["frame"] if args["frame"] != good["frame"] else f"{i:08x}"}
             with pytest.raises(RequestRejected) as e:
-                lop_executor.lop_part(shared_server, loaded, _lop_request(args))
+                shared_server.executors["lop_part"](loaded, _lop_request(args))
             assert e.value.code == StatusCode.BAD_REQUEST, args
         # Right names, wrong tensor shape: refused, and the finish learns it at once.
         x = torch.zeros(1, 3, 2, client.input_size[1])
         args = {**good, "frame": "aaaaaaaaaaaa"}
         with pytest.raises(RequestRejected):
-            lop_executor.lop_part(shared_server, loaded, _lop_request(args, [codec.encode(x, first[0])]))
+            shared_server.executors["lop_part"](loaded, _lop_request(args, [codec.encode(x, first[0])]))
         fin = {"phase": "finish", "frame": "aaaaaaaaaaaa", "last": last, "input_shape": shape}
         for until in (5, [], [""], {"a": 1}):
             with pytest.raises(RequestRejected):
                 lop_executor.parse_args(json.dumps({**fin, "until": until}), 10 ** 8)
         with pytest.raises(RequestRejected) as e:
-            lop_executor.lop_part(shared_server, loaded, _lop_request(fin))
+            shared_server.executors["lop_part"](loaded, _lop_request(fin))
         assert "failed" in e.value.text
         # A finish whose part never came is refused after the wait.
-        old = lop_executor.wait_s
-        lop_executor.wait_s = 0.05
+        lop = shared_server.executors["lop_part"]
+        old = lop.wait_s
+        lop.wait_s = 0.05
         try:
             with pytest.raises(RequestRejected) as e:
-                lop_executor.lop_part(shared_server, loaded, _lop_request({**fin, "frame": "bbbbbbbbbbbb"}))
+                shared_server.executors["lop_part"](loaded, _lop_request({**fin, "frame": "bbbbbbbbbbbb"}))
             assert "no lop part" in e.value.text
         finally:
-            lop_executor.wait_s = old
+            lop.wait_s = old
     finally:
         client.close()
 

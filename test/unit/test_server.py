@@ -16,7 +16,7 @@ from devices import SERVER_DEVICE, to_server
 
 @pytest.fixture(scope="module")
 def server():
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_request_bytes=2_000_000, max_input_elements=400_000))
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, max_request_bytes=2_000_000, max_input_elements=400_000))
     assert s.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.OK
     return s
 
@@ -75,15 +75,15 @@ def test_bad_load_requests(server):
 
 
 def test_allow_list():
-    s = OffloadServer(ServerConfig(device=SERVER_DEVICE, allowed_models=("mobilenet_v2",)))
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, allowed_models=("mobilenet_v2",)))
     assert s.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.UNAUTHORIZED
 
 
 def test_config_refusals():
     with pytest.raises(ConfigError):
-        ServerConfig(device="tpu").validate()
+        ServerConfig(ops_sandbox=False, device="tpu").validate()
     with pytest.raises(ConfigError):
-        ServerConfig(max_request_bytes=0).validate()
+        ServerConfig(ops_sandbox=False, max_request_bytes=0).validate()
 
 
 def test_concurrent_clients_get_their_own_results(server):
@@ -109,8 +109,8 @@ def test_tf32_is_off_unless_asked_for():
     """PyTorch lets cuDNN convolve in TF32 by default (~1e-3 from the robot's float32)."""
     if SERVER_DEVICE == "cpu":
         pytest.skip("needs the server on CUDA (ROBOT_OFFLOAD_TEST_DEVICE=cuda)")
-    OffloadServer(ServerConfig(device=SERVER_DEVICE))
+    OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-    OffloadServer(ServerConfig(device=SERVER_DEVICE, allow_tf32=True))
+    OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, allow_tf32=True))
     assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
-    OffloadServer(ServerConfig(device=SERVER_DEVICE))
+    OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))

@@ -17,7 +17,7 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.protocol import ComputeRequest, StatusCode
 from robot_offload.server import OffloadServer, ServerConfig
-from robot_offload.transparent.server import content_digest
+from robot_offload.transparent.wire import content_digest
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
 
@@ -195,7 +195,7 @@ def test_registry_models_transparent_equals_local(shared_server, model):
 # -- the session in process --------------------------------------------------------------------
 
 def _session(server=None, mode="record_replay", **kwargs):
-    transport = InProcessTransport(server or OffloadServer(ServerConfig(device=SERVER_DEVICE)))
+    transport = InProcessTransport(server or OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     return RemoteSession(lambda r, t: transport.call("compute", r, t), mode=mode, **kwargs)
 
 
@@ -315,7 +315,7 @@ def test_early_replay_overlaps_the_checks():
     import threading
     torch.manual_seed(0)
     net = _Net().eval()
-    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     seen = []   # (thread name, replay n, the program had matched all n calls meanwhile)
     sess = None
 
@@ -717,9 +717,16 @@ def test_retinanet_whose_box_count_changes_replays_in_one_round_trip():
     assert sess.stats.divergences == 0, sess.stats
 
 
-def _ops_request(args, tensors=(), session="s1"):
-    return ComputeRequest(client_id="t", model="", entry="ops", session=session, tensors=list(tensors),
+def _ops_request(args, tensors=(), session="", client_id="t"):
+    return ComputeRequest(client_id=client_id, model="", entry="ops", session=session, tensors=list(tensors),
                           args_json=json.dumps(args))
+
+
+def _open_session(server, client_id="t") -> str:
+    """A new ops session of ``client_id``: its id, as the server issued it."""
+    resp = server.handle("compute", _ops_request({"ops": []}, client_id=client_id))
+    assert resp.status == StatusCode.OK, resp.status_text
+    return json.loads(resp.result_json)["session"]
 
 
 @pytest.mark.parametrize("args,code", [
@@ -740,15 +747,17 @@ def _ops_request(args, tensors=(), session="s1"):
     ({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [{"z": [0, 0]}]}]}, "k": {}}]}, StatusCode.BAD_REQUEST),
 ])
 def test_server_refuses_bad_ops_requests(args, code):
-    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_session_mib=64))
-    resp = server.handle("compute", _ops_request(args))
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, max_session_mib=64))
+    sid = _open_session(server)
+    resp = server.handle("compute", _ops_request(args, session=sid))
     assert resp.status == code, resp.status_text
-    ok = server.handle("compute", _ops_request({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [2]}]}, "k": {}}]}))
+    ok = server.handle("compute", _ops_request({"ops": [{"op": "aten::ones", "a": {"l": [{"l": [2]}]}, "k": {}}]},
+                                               session=sid))
     assert ok.status == StatusCode.OK, ok.status_text
 
 
 def test_server_can_refuse_transparent_sessions():
-    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, transparent=False))
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, transparent=False))
     resp = server.handle("compute", _ops_request({"ops": []}))
     assert resp.status == StatusCode.UNAUTHORIZED
 
@@ -761,7 +770,7 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
     early replay leaves at the first operator, so there the server dies just before it.)"""
     torch.manual_seed(0)
     net = _Net().eval()
-    transport = InProcessTransport(OffloadServer(ServerConfig(device=SERVER_DEVICE)))
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     server = transport.server
     sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
                          local_fallback=True, retry_interval_s=0.05, timeout_s=2.0,
@@ -795,10 +804,11 @@ def test_compiled_replay_matches_eager_with_multi_outputs_lists_and_continuation
     sequence with a multi-output operator whose second tensor is read later, a list of
     tensors as an argument, a tensor and a scalar as keyword arguments, a session tensor
     and a continuation that starts where a sync point stopped."""
-    server = OffloadServer(ServerConfig(device=SERVER_DEVICE, max_session_mib=64))
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, max_session_mib=64))
+    sid = _open_session(server)
 
     def call(args):
-        resp = server.handle("compute", _ops_request(args))
+        resp = server.handle("compute", _ops_request(args, session=sid))
         assert resp.status == StatusCode.OK, resp.status_text
         return json.loads(resp.result_json), resp
 
@@ -844,5 +854,6 @@ def test_compiled_replay_matches_eager_with_multi_outputs_lists_and_continuation
     torch.testing.assert_close(got[(1, 0)], expected[(1, 0)])
     # A released session tensor is refused, not read as a missing (None) argument.
     call({"release": [h_half], "ops": []})
-    resp = server.handle("compute", _ops_request({"replay": {"id": "seq", "n": 5, "inputs": [[0, {"h": h_x}]]}}))
+    resp = server.handle("compute", _ops_request({"replay": {"id": "seq", "n": 5, "inputs": [[0, {"h": h_x}]]}},
+                                                 session=sid))
     assert resp.status == StatusCode.STALE_HANDLE, resp.status_text

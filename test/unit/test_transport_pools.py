@@ -15,7 +15,7 @@ from robot_offload.transport.inproc import InProcessTransport
 
 
 def test_pools_fill_with_overlapping_calls_within_their_bound():
-    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")), max_parallel_calls=3)
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device="cpu")), max_parallel_calls=3)
     try:
         assert transport.held() == {"threads": 0, "connections": 0}
         limits = transport.held_limits()
@@ -42,7 +42,7 @@ def _quiet(timeout_s: float = 5.0) -> None:
 
 
 def test_growth_outside_the_pools_is_a_leak_and_is_named():
-    transport = InProcessTransport(OffloadServer(ServerConfig(device="cpu")))
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device="cpu")))
     stop = threading.Event()
     r = w = None
     try:

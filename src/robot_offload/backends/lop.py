@@ -15,7 +15,7 @@ bandwidth changes:
   of the first cut's tensors the server's stripe needs) on a transport worker thread,
   computes the robot's stripe meanwhile, then sends transfer B (the robot's rows of the
   last cut's tensors); the server joins the rows and runs the rest
-  (:mod:`robot_offload.partition.lop_executor`). Two round trips, overlapped with the
+  (:mod:`robot_offload.server.executors.lop`). Two round trips, overlapped with the
   robot's computation. When the robot joins (LOSS's choice, always when the region
   reaches the model's outputs) there is no B: the server answers A with its rows of the
   last cut's tensors, the robot puts them under its own and runs the rest itself (one
@@ -590,7 +590,7 @@ class LopBackend(LayerPartitionBackend):
                        first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
                        sent, solved: Optional[PlannerConfig]):
         """The end of a frame whose rows the robot joins: the server's answer to A carries
-        its rows of every ``c2`` tensor (see :mod:`~robot_offload.partition.lop_executor`);
+        its rows of every ``c2`` tensor (see :mod:`~robot_offload.server.executors.lop`);
         they go under the robot's own rows and the robot runs the tail after ``c2`` (when
         ``c2`` is the outputs, only their assembly). Nothing is sent after A, and only the
         server's share of ``c2`` comes down."""

@@ -27,7 +27,7 @@ def measure(model: str, device: str, frames: int = 14, warmup: int = 6,
             input_size=(224, 224)) -> Dict[str, float]:
     """Median server seconds per frame of record_replay (replayed frames only) and of
     full_offload for ``model``, and the round trips of the replayed frames."""
-    server = OffloadServer(ServerConfig(device=device))
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=device))
     cfg = ClientConfig(model=model, mode="record_replay", input_size=tuple(input_size),
                        load_timeout_s=600, timeout_s=600, early_replay=False)
     client = OffloadClient(cfg, InProcessTransport(server))

@@ -43,3 +43,4 @@ class OffloadServerNode:
     def shutdown(self):
         for s in self._services:
             s.shutdown()
+        self.server.close()

@@ -114,7 +114,7 @@ def _default_call(args):
     from robot_offload.auth import load_secret
     secret = load_secret(args.auth_secret_file)     # the file, else $ROBOT_OFFLOAD_SECRET
     if args.inproc:
-        from robot_offload.server import OffloadServer, ServerConfig
+        from robot_offload.server import OffloadServer, ServerConfig  # in-process server (test and local use only)
         from robot_offload.transport.inproc import InProcessTransport
         transport = InProcessTransport(OffloadServer(ServerConfig(device=args.inproc_device)))
     else:

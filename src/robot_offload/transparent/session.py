@@ -69,7 +69,7 @@ from robot_offload.protocol import ComputeRequest, StatusCode, raise_for_status
 from robot_offload.transparent import wire
 from robot_offload.transparent.recorder import (RecordedOp, Recorder, Sequence, frame_return,
                                                 resolve_sizes)
-from robot_offload.transparent.server import ENTRY, content_digest
+from robot_offload.transparent.wire import ENTRY, content_digest
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class RemoteSession:
     # -- life cycle ----------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every server-side object (after a server restart or a failure)."""
-        self.session_id = uuid.uuid4().hex[:16]
+        self.session_id = ""       # the server issues one with its first answer
         self._uploaded: Dict[int, tuple] = {}     # id(tensor) -> (weakref, version, handle)
         self._digests: Dict[int, tuple] = {}      # id(tensor) -> (weakref, version, sha)
         # digest -> a robot tensor of that content, kept alive so that its upload stays on
@@ -612,6 +612,8 @@ class RemoteSession:
         response = self._call(req, timeout)
         t1 = time.perf_counter()
         raise_for_status(response.status, response.status_text)
+        if not self.session_id:
+            self.session_id = json.loads(response.result_json or "{}").get("session", "")
         up, down = req.payload_bytes + len(req.args_json), response.payload_bytes + len(response.result_json)
         self.stats.round_trips += 1
         self.stats.bytes_up += up

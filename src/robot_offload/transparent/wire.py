@@ -14,6 +14,7 @@ forms. A tree that is too deep, too long or of an unknown form is refused with
 :class:`WireError`.
 """
 
+import hashlib
 import math
 import re
 from typing import Callable
@@ -22,6 +23,8 @@ import torch
 
 from robot_offload.errors import CodecError
 
+#: The ``compute`` entry that runs intercepted operators (transparent, record_replay).
+ENTRY = "ops"
 NAMESPACES = ("aten", "torchvision")
 #: Operators never run for a client: they read or write files or raw memory.
 DENIED_OPS = frozenset({"from_file", "_pin_memory", "pin_memory", "set_", "_use_cudnn_ctc_loss",
@@ -45,6 +48,14 @@ class WireError(CodecError):
 
 class Unsupported(Exception):
     """An argument the wire format cannot carry (the robot runs that operator itself)."""
+
+
+def content_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes: how an upload names a tensor the
+    server may already hold (robot and server compute it alike)."""
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())  # no copy
+    return h.hexdigest()
 
 
 def op_name(func) -> str:

@@ -1,119 +1,33 @@
-"""The offload server's logic, independent of ROS.
+"""The offload server's composition root, independent of ROS.
 
 :class:`OffloadServer` answers the three protocol methods (``load_model``, ``compute``,
 ``ping``). It never raises out of :meth:`OffloadServer.handle`: every failure becomes a
 status code and a text, so one bad request cannot take the server down for every robot.
 
-``compute`` dispatches on ``entry`` to an executor. Executors are registered with
-:func:`executor`; this module registers ``forward`` (the whole model, for full offload).
-Later backends register their own (partition tails, per-operator execution on tensor
-handles, replays, spatial parts) without touching this dispatch.
+Order of a request: authentication (:mod:`robot_offload.auth`), well-formedness
+(:mod:`.request_check`), the per-client model lists, then ``compute`` dispatches on
+``entry`` to the server's own executor instance (:mod:`.executors`, one module each).
 """
 
-import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
-from robot_offload import auth, codec, request_check, structure
+from robot_offload import auth, codec, structure
 from robot_offload.codec import PayloadTooLarge
 from robot_offload.errors import CodecError, ConfigError, UnknownModelError
 from robot_offload.models import get_spec, weights_hash
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     LoadModelResponse, PingRequest, PingResponse, StatusCode)
+from robot_offload.server import executors, request_check
+from robot_offload.server.base import LoadedModel, RequestRejected
+from robot_offload.server.config import ServerConfig, resolve_device
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(Exception):
-    """Raised inside the server to answer with ``code`` and ``text``."""
-
-    def __init__(self, code: StatusCode, text: str):
-        super().__init__(text)
-        self.code = code
-        self.text = text
-
-
-@dataclass
-class ServerConfig:
-    """Settings of the offload server (``~`` parameters of offload_server)."""
-
-    device: str = "auto"                 # auto, cpu, cuda, cuda:N
-    # TF32 convolutions and matrix products on CUDA: faster, but PyTorch's default (TF32
-    # convolutions) put full_offload's ResNet-18 logits 1.8e-3 from the robot's float32 on an
-    # H100; with TF32 off every registry model's outputs stayed within 4.2e-5 of their scale
-    # (median 1.5e-6), as lossless plans promise. Off by default.
-    allow_tf32: bool = False
-    max_request_bytes: int = 256 * 1024 * 1024  # summed tensor payload of one request (bytes)
-    max_input_elements: int = 64 * 1024 * 1024  # elements of one decoded input tensor
-    allowed_models: tuple = ()           # empty: every registry model may be loaded
-    # client_id -> models that client may load and use ({} = no per-client lists; key "*":
-    # every client not listed). Refusals are UNAUTHORIZED. client_id is only as
-    # trustworthy as the (shared-secret) authentication: see robot_offload.auth.
-    client_models: dict = field(default_factory=dict)
-    auth_max_skew_s: float = auth.DEFAULT_MAX_SKEW_S  # with a secret: token age / clock difference (s)
-    weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
-    transparent: bool = True             # accept per-operator sessions (transparent, record_replay)
-    max_session_mib: int = 2048          # tensors one transparent session may hold (MiB; XML-RPC ints are 32-bit)
-    max_sessions: int = 16               # transparent sessions kept (least recently used dropped)
-
-    def validate(self) -> "ServerConfig":
-        if self.max_session_mib <= 0 or self.max_sessions <= 0:
-            raise ConfigError("max_session_mib and max_sessions must be positive")
-        if self.max_request_bytes <= 0 or self.max_input_elements <= 0:
-            raise ConfigError("max_request_bytes and max_input_elements must be positive")
-        if not self.auth_max_skew_s > 0:
-            raise ConfigError(f"auth_max_skew_s must be positive, got {self.auth_max_skew_s}")
-        if not isinstance(self.client_models, dict) or not all(
-                isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(m, str) for m in v)
-                for k, v in self.client_models.items()):
-            raise ConfigError("client_models must map client ids to lists of model names, "
-                              f"got {self.client_models!r}")
-        resolve_device(self.device)
-        return self
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"unknown device {name!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for but CUDA is not available")
-    return dev
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    module: torch.nn.Module
-    weights_hash: str
-    device: torch.device
-    load_time_s: float
-
-
-Executor = Callable[["OffloadServer", LoadedModel, ComputeRequest], ComputeResponse]
-EXECUTORS: Dict[str, Executor] = {}
-#: Entries that run on tensors the client uploaded, not on a registry model: their
-#: executor gets ``loaded=None`` and the request's ``model`` field is ignored.
-MODEL_FREE_ENTRIES = set()
-
-
-def executor(entry: str, needs_model: bool = True):
-    """Register ``fn(server, loaded_model, request) -> ComputeResponse`` for ``entry``."""
-    def deco(fn):
-        EXECUTORS[entry] = fn
-        if not needs_model:
-            MODEL_FREE_ENTRIES.add(entry)
-        return fn
-    return deco
 
 
 class OffloadServer:
@@ -138,6 +52,7 @@ class OffloadServer:
         self._load_locks: Dict[str, threading.Lock] = {}
         self.requests_total = 0
         self.requests_failed = 0
+        self.executors = executors.build(self)
 
     # -- dispatch ---------------------------------------------------------------------
     def handle(self, method: str, request):
@@ -196,6 +111,18 @@ class OffloadServer:
                            f"{method} from {client!r} refused: UNAUTHORIZED {text}")
         return f"authentication failed: {text}"
 
+    def close(self) -> None:
+        """Stop what the executors started (sandbox processes)."""
+        for ex in self.executors.values():
+            close = getattr(ex, "close", None)
+            if close is not None:
+                close()
+
+    def identity_of(self, request) -> str:
+        """Who sent ``request``: its client id, authenticated when the server checks
+        tokens (a client id is then only as good as the key that signed it)."""
+        return request.client_id
+
     def _admit(self, method: str, request) -> None:
         """Well-formedness (robot_offload.request_check) and the per-client allow list."""
         try:
@@ -205,7 +132,8 @@ class OffloadServer:
         lists = self.config.client_models
         if lists and method in ("load_model", "compute"):
             allowed = lists.get(request.client_id, lists.get("*"))
-            model_free = method == "compute" and request.entry in globals().get("MODEL_FREE_ENTRIES", ())
+            entry = self.executors.get(request.entry) if method == "compute" else None
+            model_free = entry is not None and not entry.NEEDS_MODEL
             if allowed is None:
                 raise RequestRejected(StatusCode.UNAUTHORIZED,
                                       f"client {request.client_id[:64]!r} is not in client_models")
@@ -236,18 +164,18 @@ class OffloadServer:
         if req.payload_bytes > self.config.max_request_bytes:
             raise RequestRejected(StatusCode.TOO_LARGE, f"request of {req.payload_bytes} bytes; "
                                   f"max_request_bytes is {self.config.max_request_bytes}")
-        run = EXECUTORS.get(req.entry)
+        run = self.executors.get(req.entry)
         if run is None:
             raise RequestRejected(StatusCode.UNKNOWN_ENTRY,
-                                  f"unknown entry {req.entry!r}; known: {sorted(EXECUTORS)}")
-        if req.entry in MODEL_FREE_ENTRIES:
+                                  f"unknown entry {req.entry!r}; known: {sorted(self.executors)}")
+        if not run.NEEDS_MODEL:
             loaded = None
         else:
             with self._lock:
                 loaded = self._models.get(req.model)
             if loaded is None:
                 raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
-        resp = run(self, loaded, req)
+        resp = run(loaded, req)
         resp.server_total_s = time.perf_counter() - t0
         return resp
 
@@ -310,35 +238,3 @@ class OffloadServer:
     def synchronize(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-@executor("forward")
-def _forward(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
-    """Whole-model inference on the request's single input tensor (full offload)."""
-    if len(req.tensors) != 1:
-        raise RequestRejected(StatusCode.BAD_REQUEST, f"forward takes 1 input tensor, got {len(req.tensors)}")
-    (x,) = server.decode_inputs(req)
-    if not x.is_floating_point():
-        raise RequestRejected(StatusCode.BAD_REQUEST, f"forward needs a floating input, got {x.dtype}")
-    t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            y = loaded.module(x)
-        server.synchronize()
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
-        # Shape/dtype mismatches surface as these inside forward: the request is at fault.
-        raise RequestRejected(StatusCode.BAD_REQUEST, f"{loaded.name} rejected the input "
-                              f"{list(x.shape)}: {str(e).splitlines()[0][:300]}") from e
-    compute_s = time.perf_counter() - t0
-    tensors, spec = server.encode_outputs(y, req)
-    return ComputeResponse(status=StatusCode.OK, tensors=tensors, structure_json=spec,
-                           result_json=json.dumps({"input_shape": list(x.shape)}),
-                           server_compute_s=compute_s)
-
-
-# Executors of other modules register themselves on import (kept last: they import this module).
-from robot_offload.partition import executor as _partition_executor  # noqa: E402,F401
-from robot_offload.partition import lop_executor as _lop_executor  # noqa: E402,F401
-from robot_offload.transparent import server as _transparent_executor  # noqa: E402,F401

@@ -23,7 +23,6 @@ through the codec.
 import json
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from typing import Dict, List, Tuple
 
@@ -32,7 +31,7 @@ import torch
 from robot_offload import codec
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
-from robot_offload.server import LoadedModel, OffloadServer, RequestRejected, executor
+from robot_offload.server.base import Executor, LoadedModel, RequestRejected
 
 ENTRY = "partition_tail"
 ARG_KEYS = frozenset({"cut", "input_shape"})
@@ -52,11 +51,7 @@ class _ModelState:
         self.error = ""
         self.cuts: "OrderedDict[Tuple[str, ...], Cut]" = OrderedDict()
         self.records: "OrderedDict[Tuple[int, ...], Dict]" = OrderedDict()
-        self.spatial: "OrderedDict[Tuple[int, ...], object]" = OrderedDict()   # lop_executor
-
-
-_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModelState]" = weakref.WeakKeyDictionary()
-_STATES_LOCK = threading.Lock()
+        self.spatial: "OrderedDict[Tuple[int, ...], object]" = OrderedDict()   # the lop entry's
 
 
 def _bad(text: str) -> RequestRejected:
@@ -64,11 +59,11 @@ def _bad(text: str) -> RequestRejected:
 
 
 def _state(loaded: LoadedModel) -> _ModelState:
-    with _STATES_LOCK:
-        st = _STATES.get(loaded.module)
-        if st is None:
-            st = _STATES[loaded.module] = _ModelState()
-    return st
+    """The partition entries' state of ``loaded``, kept on the loaded model itself."""
+    with loaded.lock:
+        if loaded.derived is None:
+            loaded.derived = _ModelState()
+        return loaded.derived
 
 
 def model_graph(loaded: LoadedModel) -> ModelGraph:
@@ -154,7 +149,7 @@ def _cut(st: _ModelState, graph: ModelGraph, names: List[str], allow_output: boo
 
 
 def _record(st: _ModelState, graph: ModelGraph, loaded: LoadedModel, shape: Tuple[int, ...],
-            server: OffloadServer) -> Dict:
+            server) -> Dict:
     with st.lock:
         rec = st.records.get(shape)
         if rec is not None:
@@ -197,7 +192,7 @@ def check_tensors(req: ComputeRequest, cut: Cut, rec: Dict) -> List[int]:
     return [index[n] for n in cut.crossing]
 
 
-def run_tail(server: OffloadServer, loaded: LoadedModel, graph: ModelGraph, cut: Cut,
+def run_tail(server, loaded: LoadedModel, graph: ModelGraph, cut: Cut,
              tensors: List[torch.Tensor], rec: Dict, runner=None, until: Cut = None):
     """Run the tail of ``cut`` on the crossing ``tensors`` (shape values from ``rec``);
     returns (outputs, compute seconds). With ``until`` only the part up to that later cut
@@ -223,8 +218,14 @@ def run_tail(server: OffloadServer, loaded: LoadedModel, graph: ModelGraph, cut:
     return y, time.perf_counter() - t0
 
 
-@executor(ENTRY)
-def partition_tail(server: OffloadServer, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+class PartitionTailExecutor(Executor):
+    ENTRY = ENTRY
+
+    def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+        return partition_tail(self.server, loaded, req)
+
+
+def partition_tail(server, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
     """Run the server part of a layer partition (see the module docstring)."""
     names, shape = parse_args(req.args_json, server.config.max_input_elements)
     st = _state(loaded)

@@ -1,0 +1,53 @@
+"""What every part of the server shares: the refusal every check raises, the loaded
+model executors run on, and the executor interface."""
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
+
+
+class RequestRejected(Exception):
+    """Raised inside the server to answer with ``code`` and ``text``."""
+
+    def __init__(self, code: StatusCode, text: str):
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+def bad_request(text: str) -> RequestRejected:
+    return RequestRejected(StatusCode.BAD_REQUEST, text)
+
+
+@dataclass
+class LoadedModel:
+    """A registry model the server built, and what executors derive from it (its graph,
+    parsed cuts, shape records): that state lives and dies with the model."""
+    name: str
+    module: torch.nn.Module
+    weights_hash: str
+    device: torch.device
+    load_time_s: float
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    derived: Optional[object] = field(default=None, repr=False, compare=False)
+
+
+class Executor:
+    """One ``compute`` entry of one server. Subclasses set :attr:`ENTRY` and
+    :attr:`NEEDS_MODEL` and implement :meth:`__call__`; their state (caches, sessions,
+    frames in flight) lives on the instance, which the server builds for itself."""
+
+    ENTRY = ""
+    #: False: the entry runs on tensors the client uploaded, not on a registry model
+    #: (``loaded`` is None and the request's ``model`` field is ignored).
+    NEEDS_MODEL = True
+
+    def __init__(self, server):
+        self.server = server
+
+    def __call__(self, loaded: Optional[LoadedModel], req: ComputeRequest) -> ComputeResponse:
+        raise NotImplementedError

@@ -1,0 +1,148 @@
+"""Running one client-defined operator on the server within its bounds.
+
+Every operator a client names has passed the allow-list (:mod:`robot_offload.transparent.wire`).
+Before it runs, its outputs are computed on the ``meta`` device (no memory, no compute),
+which gives what the request will cost:
+
+* **bytes**: its new outputs, and the growth of any storage it writes in place
+  (``resize_``); an operator whose output size depends on the data (``nonzero``,
+  ``masked_select``, ``unique``, ...) has no meta kernel and is charged an upper bound of
+  :data:`DATA_DEPENDENT_FACTOR` times its inputs' bytes, then its actual outputs once run;
+* **work**: floating-point operations from torch's FLOP formulas (matrix products,
+  convolutions, attention), else one per element read or written.
+
+After it runs, outputs of operators that hand out uninitialised memory (``empty*``,
+``new_empty*``, a growing ``resize_``) are zeroed: a client never reads what the
+allocator held before (another client's tensors, on a shared GPU).
+
+And no operator may write into a tensor the session does not own: registry weights that
+an upload named by digest are the server's, shared by every client (:func:`check_writes`).
+"""
+
+from typing import Iterable, Tuple
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from robot_offload.protocol import StatusCode
+from robot_offload.server.base import RequestRejected, bad_request
+from robot_offload.transparent import wire
+
+#: what an operator raises for arguments it cannot take: the request's fault (BAD_REQUEST)
+OP_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
+#: bytes charged, per input byte, to an operator whose output size depends on the data
+#: (``nonzero`` of a bool tensor returns up to 8 bytes per dimension per input byte)
+DATA_DEPENDENT_FACTOR = 64
+#: operators that return memory nobody wrote
+UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                           "empty_permuted", "resize_", "resize_as_"})
+
+
+def op_failed(func, e: Exception) -> RequestRejected:
+    return bad_request(f"{wire.op_name(func)} failed: "
+                       f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (stable when ``resize_`` reallocates it)."""
+    return t.untyped_storage()._cdata
+
+
+def to_meta(obj):
+    if isinstance(obj, torch.Tensor):
+        m = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="meta")
+        return m
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_meta(o) for o in obj)
+    return obj
+
+
+def written_tensors(func, args, kwargs) -> list:
+    """The tensor arguments the operator's schema says it writes (``Tensor(a!)``)."""
+    out = []
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        out.extend(t for t in wire.leaves(v) if isinstance(t, torch.Tensor))
+    return out
+
+
+def check_writes(func, args, kwargs, protected: Iterable[int]) -> None:
+    """Refuse an operator that writes into a storage in ``protected`` (the server's
+    registry weights)."""
+    for t in written_tensors(func, args, kwargs):
+        if storage_key(t) in protected:
+            raise RequestRejected(StatusCode.UNAUTHORIZED, f"{wire.op_name(func)} would write into "
+                                  "a weight the server shares with every client")
+
+
+def _flops(func, meta_args, meta_kwargs, meta_out) -> int:
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is not None:
+        try:
+            return int(formula(*meta_args, **meta_kwargs, out_val=meta_out))
+        except Exception:  # noqa: BLE001 - a formula that cannot read these arguments: count elements
+            pass
+    return sum(t.numel() for t in wire.leaves((meta_args, meta_kwargs, meta_out))
+               if isinstance(t, torch.Tensor))
+
+
+def estimate(func, args, kwargs) -> Tuple[int, int, bool]:
+    """(bytes of new memory, floating-point operations, exact) of running ``func`` on these
+    arguments, from a run on the meta device. ``exact`` is False when the output size
+    depends on the data: the bytes are then an upper bound."""
+    meta_args = to_meta(args)
+    meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    try:
+        _, new, flops = meta_cost(func, meta_args, meta_kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, or sizes that depend on the data
+        read = sum(nbytes(t) for t in wire.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return DATA_DEPENDENT_FACTOR * read + 4096, read, False
+    return new, flops, True
+
+
+def meta_cost(func, meta_args, meta_kwargs):
+    """(meta outputs, bytes of new memory, floating-point operations) of ``func`` on meta
+    arguments; raises what the operator raises on meta (no kernel, data-dependent sizes)."""
+    if any(a.name == "device" for a in func._schema.arguments):
+        meta_kwargs = dict(meta_kwargs, device=torch.device("meta"))     # factories: no allocation
+    before = {storage_key(m): m.untyped_storage().nbytes()
+              for m in wire.leaves((meta_args, meta_kwargs)) if isinstance(m, torch.Tensor)}
+    with torch.inference_mode():
+        out = func(*meta_args, **meta_kwargs)
+    new = 0
+    seen = set()
+    for t in wire.leaves((out, meta_args, meta_kwargs)):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        new += max(0, t.untyped_storage().nbytes() - before.get(key, 0))   # in place: growth only
+    return out, new, _flops(func, meta_args, meta_kwargs, out)
+
+
+def zero_uninitialised(func, out, args, kwargs, old_sizes: dict) -> None:
+    """Zero what an operator returned without writing it (see :data:`UNINITIALISED`);
+    ``old_sizes`` maps the written arguments' storage keys to their bytes before."""
+    name = func._schema.name.split("::")[-1]
+    if name not in UNINITIALISED:
+        return
+    if name.startswith("resize"):
+        for t in written_tensors(func, args, kwargs):
+            storage = t.untyped_storage()
+            old = old_sizes.get(storage_key(t), 0)
+            if storage.nbytes() > old:
+                raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                raw[old:].zero_()
+        return
+    for t in wire.leaves(out):
+        if isinstance(t, torch.Tensor):
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).zero_()
