@@ -6,7 +6,7 @@ import rospy
 
 from robot_offload.protocol import METHODS, StatusCode
 from robot_offload.ros import conversions as conv, logbridge
-from robot_offload.ros.params import load_auth_secret, load_params
+from robot_offload.ros.params import load_params, load_server_auth
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.srv import Compute, LoadModel, Ping
 
@@ -15,7 +15,8 @@ class OffloadServerNode:
     def __init__(self):
         logbridge.install()
         self.config = load_params(ServerConfig)
-        self.server = OffloadServer(self.config, auth_secret=load_auth_secret())
+        secret, keys = load_server_auth()
+        self.server = OffloadServer(self.config, auth_secret=secret, auth_keys=keys)
         for name in rospy.get_param("~preload", []):
             self.server.load(name)
         self._services = [
