@@ -379,7 +379,7 @@ def test_decode_refuses_bad_int8c_headers():
 from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
 from robot_offload import request_check  # noqa: E402
-from robot_offload.protocol import ComputeRequest, StatusCode  # noqa: E402
+from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode  # noqa: E402
 
 _EDGE_DIMS = [0, 1, 2, 3, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32,
               2 ** 63 - 1, 2 ** 63, 2 ** 64, 10 ** 30, -1, -(2 ** 63)]
@@ -444,12 +444,7 @@ def test_any_shape_is_decoded_or_refused_with_a_codec_error(shape, dtype, name, 
 def test_crafted_shapes_are_refused_by_the_server_not_internal(shared_server, shape, status, fragment):
     """The same shapes through OffloadServer.handle with the model loaded: the answer is
     the request's fault, with a clear text, never INTERNAL."""
-    assert shared_server.handle("load_model", codec_load_request()).status == StatusCode.OK
+    assert shared_server.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.OK
     enc = EncodedTensor(name="x", dtype="float32", shape=shape, raw_size=0, data=b"")
     r = shared_server.handle("compute", ComputeRequest("t", "resnet18", "forward", [enc]))
     assert r.status == status and fragment in r.status_text, (r.status, r.status_text)
-
-
-def codec_load_request():
-    from robot_offload.protocol import LoadModelRequest
-    return LoadModelRequest("t", "resnet18")
