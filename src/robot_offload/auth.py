@@ -1,30 +1,50 @@
-"""Request authentication with a shared secret: HMAC-SHA256 tokens, no rospy.
+"""Request authentication: HMAC-SHA256 tokens with a shared secret or per-client keys, no rospy.
 
-When a secret is configured, the client signs every request (``load_model``, ``compute``,
+When a key is configured, the client signs every request (``load_model``, ``compute``,
 ``ping``) and puts the token in the request's ``auth`` field::
 
-    v1:<unix time, ms>:<nonce, 32 hex>:<HMAC-SHA256, 64 hex>
+    v2:<unix time, ms>:<nonce, 32 hex>:<request digest, 64 hex>:<HMAC-SHA256, 64 hex>
 
-The MAC covers a domain tag, the timestamp, the nonce and :func:`canonical_request`: the
-method name and every field of the request that the server acts on (client_id, model,
-weights hash, entry, args_json, session, output codec and compression, ping payload) and,
-per tensor, a SHA-256 over its name, dtype, shape, codec, compression, quantisation
-parameters, raw size and data. Changing any byte of any of these invalidates the token.
+The request digest is :func:`canonical_request`: a SHA-256 over the method name and every
+field of the request that the server acts on (client_id, model, weights hash, entry,
+args_json, session, output codec and compression, ping payload) and, per tensor, a SHA-256
+over its name, dtype, shape, codec, compression, quantisation parameters, raw size and
+data. The MAC covers a domain tag, the timestamp, the nonce, the client_id, the method and
+that digest (:func:`header_mac`), so it is a few hundred bytes whatever the request's size.
+Changing any byte of the request changes the digest; changing the digest breaks the MAC.
 
-The server (:class:`Verifier`) refuses a token that is missing or malformed, whose MAC is
-wrong (compared with :func:`hmac.compare_digest`), whose timestamp is more than
-``max_skew_s`` from its own clock (robot and server clocks must agree to within that: run
-chrony/NTP), or whose nonce it has already seen within the window (a replay). Nonces are
-only remembered after the MAC checked out and only until their timestamp leaves the
-window, and the cache is bounded (``max_nonces``; when full, new tokens are refused rather
-than remembered badly), so an attacker without the secret cannot grow it.
+The server (:class:`Verifier`) checks a token in two steps, cheapest first, so that a
+forged token on a large request is refused before the payload is read: (1) format,
+timestamp within ``max_skew_s`` of its own clock (robot and server clocks must agree to
+within that: run chrony/NTP), the client's key, the MAC over the small header (compared
+with :func:`hmac.compare_digest`) and the nonce not seen within the window (a replay);
+only then (2) it hashes the request and compares the result with the digest the token
+carries (constant time). A nonce is remembered only after both steps passed and only until
+its timestamp leaves the window, and the cache is bounded (``max_nonces``; when full, new
+tokens are refused rather than remembered badly), so neither an attacker without a key nor
+one replaying a captured token on altered data can grow it or burn the legitimate
+request's nonce. Tokens of the earlier format (``v1:``, a MAC over the whole request) are
+refused with a message saying so.
 
-What this gives: only holders of the secret can make the server load models, compute or
-answer pings, and a recorded request cannot be replayed. What it does not give:
-confidentiality (tensors cross in the clear: use a WireGuard tunnel on an untrusted
-link), authenticated responses, or per-client identities (every client holding the shared
-secret can claim any ``client_id``). The secret is read from a file (mode 0600) or from the
-environment (:func:`load_secret`), never from the parameter server.
+Keys, one of:
+
+* a shared secret (:func:`load_secret`): one key for every client. Any holder of the secret
+  may claim any ``client_id``.
+* per-client keys (:func:`load_keys`): a file mapping each ``client_id`` to its own key.
+  The server picks the key by the request's claimed ``client_id``, so a token is valid
+  only for the id whose key made it; an id without a key is refused (``unknown_client``).
+  The client side is unchanged: it signs with its own key as with a shared secret.
+
+After verification the request's :class:`Identity` (the ``client_id`` it may act as, and
+how far that is proven) is what executors scope per-client state by; see
+:meth:`Verifier.verify` and ``OffloadServer.identity_of``.
+
+What this gives: only key holders can make the server load models, compute or answer
+pings, a recorded request cannot be replayed, and with per-client keys a robot cannot act
+as another. What it does not give: confidentiality (tensors cross in the clear: use a
+WireGuard tunnel on an untrusted link) or authenticated responses. Secrets are read from
+files (mode 0600) or from the environment, never from the parameter server, and never
+logged.
 """
 
 import hashlib
@@ -46,7 +66,7 @@ from robot_offload.errors import ConfigError, OffloadError
 
 log = logging.getLogger(__name__)
 
-VERSION = "v1"
+VERSION = "v2"
 #: Environment variable holding the secret when no secret file is given.
 ENV_VAR = "ROBOT_OFFLOAD_SECRET"
 #: Shortest secret accepted (bytes after stripping whitespace).
@@ -57,11 +77,15 @@ DEFAULT_MAX_SKEW_S = 30.0
 DEFAULT_MAX_NONCES = 100_000
 #: Largest secret file read (bytes).
 MAX_SECRET_FILE_BYTES = 4096
+#: Largest keys file read (bytes): some thousands of clients.
+MAX_KEYS_FILE_BYTES = 1024 * 1024
 NONCE_BYTES = 16
+#: A client_id in a keys file: what ROS names and hostnames are made of.
+CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.\-/]{1,128}")
 
-_DOMAIN = b"robot_offload-auth-v1\x00"
-_TOKEN_RE = re.compile(r"v1:(\d{1,15}):([0-9a-f]{32}):([0-9a-f]{64})")
-_MAX_TOKEN_CHARS = 128
+_DOMAIN = b"robot_offload-auth-v2\x00"
+_TOKEN_RE = re.compile(r"v2:(\d{1,15}):([0-9a-f]{32}):([0-9a-f]{64}):([0-9a-f]{64})")
+_MAX_TOKEN_CHARS = 200
 
 #: Request fields covered by the MAC, per method (tensors are digested separately).
 SIGNED_FIELDS = {
@@ -74,11 +98,72 @@ SIGNED_FIELDS = {
 
 class AuthError(OffloadError):
     """A request's token does not authenticate it; ``reason`` is a short category
-    (missing, malformed, skew, signature, replay, cache_full) for throttled logging."""
+    (missing, malformed, version, skew, unknown_client, signature, replay, cache_full)
+    for throttled logging."""
 
     def __init__(self, reason: str, text: str):
         super().__init__(text)
         self.reason = reason
+
+
+class Identity(str):
+    """The ``client_id`` a request may act as, with how far that is established.
+
+    A ``str`` (the client_id itself), so it can key per-client state directly.
+    ``scheme`` is ``"per_client"`` (the token was made with this id's own key: the id is
+    proven), ``"shared_secret"`` (a valid token, but any holder of the shared secret may
+    claim any id) or ``"none"`` (authentication off: the id is only claimed)."""
+
+    scheme: str
+
+    def __new__(cls, client_id: str, scheme: str):
+        if scheme not in ("per_client", "shared_secret", "none"):
+            raise ValueError(f"unknown identity scheme {scheme!r}")
+        self = super().__new__(cls, client_id)
+        self.scheme = scheme
+        return self
+
+    @property
+    def authenticated(self) -> bool:
+        """The request carried a valid token (per-client key or shared secret)."""
+        return self.scheme != "none"
+
+    @property
+    def proven(self) -> bool:
+        """Only this client could have made the request (its own key signed it)."""
+        return self.scheme == "per_client"
+
+    def __repr__(self) -> str:
+        return f"Identity({str(self)!r}, {self.scheme!r})"
+
+
+#: Attribute of a request object under which the server records its :class:`Identity`
+#: once verified (see :func:`bind_identity`).
+IDENTITY_ATTR = "_robot_offload_identity"
+
+
+def bind_identity(request, identity: Optional[Identity]) -> None:
+    """Record on ``request`` the identity its verification established, or clear it
+    (None). The server does this for every request before dispatch, overwriting whatever
+    was there; a request object that cannot take the attribute is left without one (and
+    ``OffloadServer.identity_of`` then refuses it when authentication is on)."""
+    try:
+        object.__setattr__(request, IDENTITY_ATTR, identity)
+    except (AttributeError, TypeError):
+        pass
+
+
+def claimed_identity(request) -> Optional[Identity]:
+    """The unauthenticated identity of ``request`` (its claimed client_id, scheme
+    ``"none"``), for a server without keys; None when client_id is not a string."""
+    client_id = getattr(request, "client_id", None)
+    return Identity(client_id, "none") if isinstance(client_id, str) else None
+
+
+def bound_identity(request) -> Optional[Identity]:
+    """The identity :func:`bind_identity` recorded on ``request``, or None."""
+    identity = getattr(request, IDENTITY_ATTR, None)
+    return identity if isinstance(identity, Identity) else None
 
 
 # -- secrets ------------------------------------------------------------------------------
@@ -92,22 +177,32 @@ def secret_from_text(text, source: str = "secret") -> bytes:
     return raw
 
 
-def read_secret_file(path: str) -> bytes:
-    """Read a secret file; refuses a missing, empty, non-regular, oversized file or one that
-    group or others may read or write (like ssh: chmod 600 it)."""
+def _read_private_file(path: str, what: str, max_bytes: int) -> bytes:
+    """The bytes of a file that holds secrets; refuses a missing, non-regular, oversized
+    file or one that group or others may read or write (like ssh: chmod 600 it)."""
     try:
         st = os.stat(path)
     except OSError as e:
-        raise ConfigError(f"auth secret file {path!r}: {e.strerror}") from None
+        raise ConfigError(f"{what} {path!r}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"auth secret file {path!r} is not a regular file")
+        raise ConfigError(f"{what} {path!r} is not a regular file")
     if st.st_mode & 0o077:
-        raise ConfigError(f"auth secret file {path!r} has mode {stat.S_IMODE(st.st_mode):04o}; "
+        raise ConfigError(f"{what} {path!r} has mode {stat.S_IMODE(st.st_mode):04o}; "
                           f"it must not be accessible to group or others (chmod 600 {path})")
-    if st.st_size > MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"auth secret file {path!r} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+    if st.st_size > max_bytes:
+        raise ConfigError(f"{what} {path!r} is larger than {max_bytes} bytes")
     with open(path, "rb") as f:
-        return secret_from_text(f.read(MAX_SECRET_FILE_BYTES + 1), f"auth secret file {path!r}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what} {path!r} is larger than {max_bytes} bytes")
+    return data
+
+
+def read_secret_file(path: str) -> bytes:
+    """Read a secret file; refuses a missing, empty, non-regular, oversized file or one that
+    group or others may read or write (like ssh: chmod 600 it)."""
+    data = _read_private_file(path, "auth secret file", MAX_SECRET_FILE_BYTES)
+    return secret_from_text(data, f"auth secret file {path!r}")
 
 
 def load_secret(path: str = "", environ=None) -> Optional[bytes]:
@@ -123,6 +218,53 @@ def load_secret(path: str = "", environ=None) -> Optional[bytes]:
     if value:
         return secret_from_text(value, f"${ENV_VAR}")
     return None
+
+
+def parse_keys(text: str, source: str = "keys file") -> Dict[str, bytes]:
+    """``client_id -> key`` from the text of a keys file.
+
+    One ``client_id: secret`` per line (a subset of YAML: the secret may be quoted with
+    ``'`` or ``"``); blank lines and lines starting with ``#`` are ignored. client_ids are
+    letters, digits and ``_ . - /`` (at most 128); every secret is at least
+    :data:`MIN_SECRET_BYTES` bytes. A client_id listed twice, or two clients with the same
+    secret (each could then act as the other), is refused. Errors name the line, never
+    the secret."""
+    keys: Dict[str, bytes] = {}
+    owner: Dict[bytes, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        where = f"{source}, line {number}"
+        client_id, sep, value = stripped.partition(":")
+        client_id, value = client_id.strip(), value.strip()
+        if not sep or not CLIENT_ID_RE.fullmatch(client_id):
+            raise ConfigError(f"{where}: expected `client_id: secret` with a client_id of "
+                              f"letters, digits and _ . - / (at most 128)")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if client_id in keys:
+            raise ConfigError(f"{where}: client_id {client_id!r} is listed twice")
+        key = secret_from_text(value, f"{where} ({client_id!r})")
+        if key in owner:
+            raise ConfigError(f"{where}: {client_id!r} has the same secret as {owner[key]!r}; "
+                              "every client needs its own")
+        keys[client_id] = key
+        owner[key] = client_id
+    if not keys:
+        raise ConfigError(f"{source}: no `client_id: secret` lines")
+    return keys
+
+
+def load_keys(path: str) -> Dict[str, bytes]:
+    """Per-client keys from a keys file (mode 0600, see :func:`parse_keys`)."""
+    path = os.path.expanduser(str(path))
+    data = _read_private_file(path, "auth keys file", MAX_KEYS_FILE_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"auth keys file {path!r} is not UTF-8 text") from None
+    return parse_keys(text, f"auth keys file {path!r}")
 
 
 # -- canonical form -------------------------------------------------------------------------
@@ -148,7 +290,7 @@ def tensor_digest(t) -> bytes:
         shape = [operator.index(s) for s in t.shape]
         numbers = (float(t.scale).hex(), str(operator.index(t.zero_point)),
                    str(operator.index(t.raw_size)))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise AuthError("malformed", f"tensor fields are not numbers: {e}") from None
     _put(h, ",".join(map(str, shape)).encode())
     for n in numbers:
@@ -158,8 +300,10 @@ def tensor_digest(t) -> bytes:
 
 
 def canonical_request(method: str, request) -> bytes:
-    """The byte string the MAC covers for ``request`` of ``method`` (unambiguous: every
-    field is length-prefixed and in a fixed order)."""
+    """The request digest a token carries: SHA-256 over ``method`` and the fields of
+    ``request`` the server acts on (unambiguous: every field is length-prefixed and in a
+    fixed order). Reads every byte of every tensor: the server computes it only after
+    the token's header checked out."""
     if method not in SIGNED_FIELDS:
         raise AuthError("malformed", f"unknown method {method!r}")
     h = hashlib.sha256()
@@ -176,18 +320,29 @@ def canonical_request(method: str, request) -> bytes:
     return h.digest()
 
 
-def _mac(secret: bytes, timestamp_ms: str, nonce: bytes, canonical: bytes) -> bytes:
-    return hmac.new(secret, _DOMAIN + timestamp_ms.encode() + b"\x00" + nonce + canonical,
-                    hashlib.sha256).digest()
+def header_mac(key: bytes, timestamp_ms: str, nonce: bytes, client_id: str, method: str,
+               digest: bytes) -> bytes:
+    """The token's MAC: HMAC-SHA256 under ``key`` over the domain tag, timestamp, nonce,
+    client_id, method and request digest (each length-prefixed). Costs the same whatever
+    the request's size."""
+    h = hmac.new(key, _DOMAIN, hashlib.sha256)
+    for part in (timestamp_ms.encode(), nonce, _as_bytes(client_id, "client_id"),
+                 method.encode(), digest):
+        _put(h, part)
+    return h.digest()
 
 
 def make_token(secret: bytes, method: str, request, now_s: Optional[float] = None,
                nonce: Optional[bytes] = None) -> str:
-    """A fresh token for ``request`` (the request's own ``auth`` field is not covered)."""
+    """A fresh v2 token for ``request`` under ``secret`` (the shared secret, or this
+    client's own key); the request's own ``auth`` field is not covered."""
+    if method not in SIGNED_FIELDS:
+        raise AuthError("malformed", f"unknown method {method!r}")
     ts = str(int(round((time.time() if now_s is None else now_s) * 1000)))
     nonce = _secrets.token_bytes(NONCE_BYTES) if nonce is None else nonce
-    mac = _mac(secret, ts, nonce, canonical_request(method, request))
-    return f"{VERSION}:{ts}:{nonce.hex()}:{mac.hex()}"
+    digest = canonical_request(method, request)
+    mac = header_mac(secret, ts, nonce, request.client_id, method, digest)
+    return f"{VERSION}:{ts}:{nonce.hex()}:{digest.hex()}:{mac.hex()}"
 
 
 def sign_request(secret: bytes, method: str, request):
@@ -198,16 +353,26 @@ def sign_request(secret: bytes, method: str, request):
 
 # -- server side ----------------------------------------------------------------------------
 class Verifier:
-    """Checks tokens; thread-safe. ``clock`` is wall-clock seconds (both sides' clocks
-    must agree to within ``max_skew_s``)."""
+    """Checks tokens; thread-safe. Keyed either by one shared ``secret`` (any holder may
+    claim any client_id) or by ``keys``, a ``client_id -> key`` map (a token is valid only
+    for the client_id whose key made it). ``clock`` is wall-clock seconds (both sides'
+    clocks must agree to within ``max_skew_s``)."""
 
-    def __init__(self, secret: bytes, max_skew_s: float = DEFAULT_MAX_SKEW_S,
-                 max_nonces: int = DEFAULT_MAX_NONCES, clock: Callable[[], float] = time.time):
-        if not secret:
-            raise ConfigError("Verifier needs a secret")
+    def __init__(self, secret: Optional[bytes] = None, max_skew_s: float = DEFAULT_MAX_SKEW_S,
+                 max_nonces: int = DEFAULT_MAX_NONCES, clock: Callable[[], float] = time.time,
+                 keys: Optional[Dict[str, bytes]] = None):
+        if bool(secret) == bool(keys):
+            raise ConfigError("Verifier needs either a shared secret or per-client keys (not both)")
         if not max_skew_s > 0 or max_nonces < 1:
             raise ConfigError("max_skew_s must be > 0 and max_nonces >= 1")
-        self._secret = bytes(secret)
+        if keys:
+            if not all(isinstance(k, str) and v for k, v in keys.items()):
+                raise ConfigError("per-client keys must map client_id strings to non-empty keys")
+            self._keys: Optional[Dict[str, bytes]] = {k: bytes(v) for k, v in keys.items()}
+            self._secret = None
+        else:
+            self._keys = None
+            self._secret = bytes(secret)
         self.max_skew_s = float(max_skew_s)
         self.max_nonces = int(max_nonces)
         self.clock = clock
@@ -216,42 +381,88 @@ class Verifier:
         self._lock = threading.Lock()
 
     @property
+    def per_client(self) -> bool:
+        """True with per-client keys, False with a shared secret."""
+        return self._keys is not None
+
+    @property
+    def clients(self):
+        """The client_ids that have a key (per-client mode), sorted; () with a shared secret."""
+        return tuple(sorted(self._keys)) if self._keys is not None else ()
+
+    @property
     def remembered(self) -> int:
         return len(self._seen)
 
-    def verify(self, method: str, request) -> None:
-        """Return if ``request`` carries a valid, fresh, unseen token; raise AuthError."""
+    def _key_for(self, client_id: str) -> bytes:
+        if self._keys is None:
+            return self._secret
+        key = self._keys.get(client_id)
+        if key is None:
+            raise AuthError("unknown_client", f"no key for client_id {client_id[:64]!r} on this server")
+        return key
+
+    def _forget_expired(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] < now:
+            _, old = heapq.heappop(self._expiry)
+            self._seen.pop(old, None)
+
+    def _check_fresh(self, nonce: bytes) -> None:
+        if nonce in self._seen:
+            raise AuthError("replay", "replayed token (nonce already used)")
+        if len(self._seen) >= self.max_nonces:
+            raise AuthError("cache_full", f"more than {self.max_nonces} authenticated requests "
+                            f"within {2 * self.max_skew_s:g} s; refusing until some expire")
+
+    def verify(self, method: str, request) -> Identity:
+        """The request's :class:`Identity` if it carries a valid, fresh, unseen token made
+        with the key of its ``client_id``; else raise AuthError.
+
+        Everything that does not depend on the payload is checked first (format, clock,
+        key, MAC over the header, replay); the payload is hashed only for a token that
+        passed all of that, and the nonce is remembered only once the hash matched too."""
         token = getattr(request, "auth", None)
         if not token:
             raise AuthError("missing", "no authentication token (this server requires one)")
         if not isinstance(token, str) or len(token) > _MAX_TOKEN_CHARS:
             raise AuthError("malformed", "malformed authentication token")
+        if token.startswith("v1:"):
+            raise AuthError("version", "token version v1 is no longer accepted; this server "
+                            f"needs {VERSION} tokens (update robot_offload on the client)")
         m = _TOKEN_RE.fullmatch(token)
         if m is None:
             raise AuthError("malformed", "malformed authentication token (expected "
-                            "v1:<ms>:<32 hex>:<64 hex>)")
-        ts_text, nonce_hex, mac_hex = m.groups()
+                            f"{VERSION}:<ms>:<32 hex>:<64 hex>:<64 hex>)")
+        if method not in SIGNED_FIELDS:
+            raise AuthError("malformed", f"unknown method {method!r}")
+        ts_text, nonce_hex, digest_hex, mac_hex = m.groups()
         now = self.clock()
         skew = int(ts_text) / 1000.0 - now
         if abs(skew) > self.max_skew_s:
             raise AuthError("skew", f"token timestamp is {skew:+.1f} s from the server's clock; "
                             f"the window is +-{self.max_skew_s:g} s (synchronise the clocks)")
-        nonce = bytes.fromhex(nonce_hex)
-        expected = _mac(self._secret, ts_text, nonce, canonical_request(method, request))
+        client_id = getattr(request, "client_id", None)
+        if not isinstance(client_id, str):
+            raise AuthError("malformed", "client_id is not a string")
+        key = self._key_for(client_id)
+        nonce, carried = bytes.fromhex(nonce_hex), bytes.fromhex(digest_hex)
+        expected = header_mac(key, ts_text, nonce, client_id, method, carried)
         if not hmac.compare_digest(expected, bytes.fromhex(mac_hex)):
-            raise AuthError("signature", "bad signature (wrong secret or altered request)")
+            raise AuthError("signature", "bad signature (wrong key for this client_id, or "
+                            "altered token)")
+        with self._lock:
+            self._forget_expired(now)
+            self._check_fresh(nonce)       # refuse a replay before reading its payload
+        # Only a token made with the right key gets this far: now the payload is read.
+        if not hmac.compare_digest(canonical_request(method, request), carried):
+            raise AuthError("signature", "bad signature (the request does not match its "
+                            "token: altered request)")
         forget_at = int(ts_text) / 1000.0 + self.max_skew_s
         with self._lock:
-            while self._expiry and self._expiry[0][0] < now:
-                _, old = heapq.heappop(self._expiry)
-                self._seen.pop(old, None)
-            if nonce in self._seen:
-                raise AuthError("replay", "replayed token (nonce already used)")
-            if len(self._seen) >= self.max_nonces:
-                raise AuthError("cache_full", f"more than {self.max_nonces} authenticated requests "
-                                f"within {2 * self.max_skew_s:g} s; refusing until some expire")
+            self._check_fresh(nonce)       # a concurrent copy may have passed meanwhile
             self._seen[nonce] = forget_at
             heapq.heappush(self._expiry, (forget_at, nonce))
+        return Identity(client_id, "per_client" if self._keys is not None else "shared_secret")
 
 
 class ThrottledLog:

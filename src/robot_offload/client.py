@@ -17,6 +17,7 @@ from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError, RemoteError, TransportError
 from robot_offload.link import ServerLink
+from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
 from robot_offload.power import EnergyMeter
 from robot_offload.stats import FrameStats
@@ -64,9 +65,14 @@ class ClientConfig:
     # record_replay: send the replay once the inputs are known and check the calls while it
     # runs (the paper's order); false: send it after the last call is checked
     early_replay: bool = True
+    # who may switch the mode after start (robot_offload.mode_control): open (the ~mode
+    # parameter and the set_mode service), service (set_mode only), locked (neither)
+    mode_control: str = "open"
 
     def validate(self) -> "ClientConfig":
         get_spec(self.model)
+        if self.mode_control not in MODE_CONTROLS:
+            raise ConfigError(f"unknown mode_control {self.mode_control!r}; known: {list(MODE_CONTROLS)}")
         if self.mode not in backends.modes():
             raise ConfigError(f"unknown mode {self.mode!r}; known: {', '.join(backends.modes())}")
         if not self.timeout_s > 0 or not self.retry_interval_s > 0 or not self.load_timeout_s > 0:

@@ -60,6 +60,10 @@ COMPRESSIONS = ("none", "zstd", "bitshuffle_zstd")
 #: Largest decoded payload accepted by default (bytes). Servers and clients configure theirs.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 MAX_DIMS = 16
+#: Largest size of one dimension. Any tensor within a request's byte limit has smaller
+#: ones; the bound keeps every product of sizes torch computes (strides, storage) far
+#: from int64 overflow.
+MAX_DIM_SIZE = 2 ** 31 - 1
 
 _DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -389,24 +393,33 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
         raise CodecError(f"unknown dtype {enc.dtype!r}; known: {sorted(_DTYPES)}")
     if enc.codec != "raw" and enc.dtype not in _FLOATING:
         raise CodecError(f"codec {enc.codec} needs a floating dtype, got {enc.dtype}")
+    shape = _checked_shape(enc)
     try:
-        shape = [operator.index(s) for s in enc.shape]
+        if (isinstance(enc.raw_size, bool) or isinstance(enc.zero_point, bool)
+                or isinstance(enc.scale, (bool, str, bytes, bytearray))):
+            raise TypeError("not a number")
         raw_size = operator.index(enc.raw_size)
         operator.index(enc.zero_point)
         float(enc.scale)
-    except (TypeError, ValueError):
-        raise CodecError(f"tensor {enc.name!r}: shape, raw_size and zero_point must be integers "
+    except (TypeError, ValueError, OverflowError):
+        raise CodecError(f"tensor {enc.name!r}: raw_size and zero_point must be integers "
                          f"and scale a number") from None
-    if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
-        raise CodecError(f"invalid shape {shape}")
+    itemsize = torch.empty((), dtype=_DTYPES[enc.dtype]).element_size()
+    # Every dimension counts, zero-sized ones as 1: an empty tensor whose other
+    # dimensions multiply beyond the limit is refused too (torch would compute its
+    # strides from them), before anything is allocated.
+    span = _numel(max(s, 1) for s in shape)
+    if span * itemsize > max_bytes:
+        raise PayloadTooLarge(f"tensor {enc.name!r}: shape {shape} spans {span} elements "
+                              f"({span * itemsize} bytes of {enc.dtype}); the limit is {max_bytes} bytes")
     numel = _numel(shape)
     expected = _payload_size(shape, enc.dtype, enc.codec)
-    decoded = numel * torch.empty((), dtype=_DTYPES[enc.dtype]).element_size()
+    decoded = numel * itemsize
     if max(expected, decoded, len(enc.data)) > max_bytes:
         raise PayloadTooLarge(f"tensor {enc.name!r} needs {max(expected, decoded, len(enc.data))} "
                               f"bytes; the limit is {max_bytes}")
     if raw_size != expected:
-        raise CodecError(f"tensor {enc.name!r}: raw_size {enc.raw_size} does not match shape "
+        raise CodecError(f"tensor {enc.name!r}: raw_size {_short_int(raw_size)} does not match shape "
                          f"{shape} and {enc.dtype}/{enc.codec} ({expected} bytes)")
     if enc.compression == "none" and len(enc.data) != expected:
         raise CodecError(f"tensor {enc.name!r}: {len(enc.data)} bytes of data, shape {shape} and "
@@ -416,9 +429,41 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
         # per tensor the quantised value of 0.0; per channel unused (the offsets say it): 0
         zero_point_max = 0 if enc.codec in PER_CHANNEL_BITS else (1 << bits) - 1
         if not (math.isfinite(enc.scale) and enc.scale > 0) or not 0 <= enc.zero_point <= zero_point_max:
-            raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={enc.scale} "
-                             f"zero_point={enc.zero_point}")
+            raise CodecError(f"tensor {enc.name!r}: bad {enc.codec} parameters scale={float(enc.scale)} "
+                             f"zero_point={_short_int(enc.zero_point)}")
     return decoded
+
+
+def _short_int(n) -> str:
+    """An integer for a message; one too long to print usefully (or at all: Python refuses
+    to format ints of more than 4300 digits) is described instead."""
+    n = operator.index(n)
+    return str(n) if n.bit_length() <= 64 else f"<a {n.bit_length()}-bit integer>"
+
+
+def _checked_shape(enc: EncodedTensor) -> List[int]:
+    """``enc.shape`` as a list of ints, each in [0, MAX_DIM_SIZE], at most MAX_DIMS of them;
+    CodecError otherwise (bools, negative, huge or non-integer sizes, too many dimensions,
+    a shape that is not a list). Checked before anything multiplies the sizes."""
+    raw = enc.shape
+    if not isinstance(raw, (list, tuple)):
+        raise CodecError(f"tensor {enc.name!r}: invalid shape: a {type(raw).__name__}, not a list of integers")
+    if len(raw) > MAX_DIMS:
+        raise CodecError(f"tensor {enc.name!r}: invalid shape: {len(raw)} dimensions; at most {MAX_DIMS}")
+    shape = []
+    for i, s in enumerate(raw):
+        if isinstance(s, (bool, np.bool_)):
+            raise CodecError(f"tensor {enc.name!r}: invalid shape: dimension {i} is a bool")
+        try:
+            size = operator.index(s)
+        except TypeError:
+            raise CodecError(f"tensor {enc.name!r}: invalid shape: dimension {i} is a "
+                             f"{type(s).__name__}, not an integer") from None
+        if not 0 <= size <= MAX_DIM_SIZE:
+            raise CodecError(f"tensor {enc.name!r}: invalid shape: dimension {i} is {_short_int(size)}; "
+                             f"sizes must be in [0, {MAX_DIM_SIZE}]")
+        shape.append(size)
+    return shape
 
 
 def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -427,7 +472,7 @@ def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tens
     Raises :class:`CodecError` (with the reason) for anything inconsistent, and
     :class:`PayloadTooLarge` for payloads above ``max_bytes``."""
     check_header(enc, max_bytes)
-    shape = [int(s) for s in enc.shape]
+    shape = _checked_shape(enc)
     numel = _numel(shape)
     expected = _payload_size(shape, enc.dtype, enc.codec)
     payload = bytes(enc.data)

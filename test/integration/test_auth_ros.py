@@ -105,3 +105,36 @@ def test_authenticated_offload_and_wrong_secret_falls_back(launch, tmp_path):
     finally:
         for c in (stats, bad_stats, estimates):
             c.close()
+
+
+KEY_A = "a1a1a1a1" * 8
+KEY_B = "b2b2b2b2" * 8
+
+
+def test_per_client_keys_over_ros(launch, tmp_path):
+    """Server with ~auth_keys_file: a robot holding robotA's key offloads as robotA; that
+    key cannot sign for robotB, an id without a key is refused, and v1 tokens are refused
+    with a message saying so."""
+    keys = _secret_file(tmp_path / "keys", f"# per-client keys\nrobotA: {KEY_A}\nrobotB: {KEY_B}")
+    key_a = _secret_file(tmp_path / "robotA.secret", KEY_A)
+    client_cfg = tmp_path / "client.yaml"
+    client_cfg.write_text("client_id: robotA\n")
+    launch.start("server.launch", "preload:=[resnet18]", f"auth_keys_file:={keys}")
+    launch.start("robot.launch", *ROBOT_ARGS, "mode:=full_offload", f"auth_secret_file:={key_a}",
+                 f"client_config:={client_cfg}", "power_logger:=false", "bandwidth_monitor:=false")
+    stats = Collector("/offload_client/stats", InferenceStats)
+    try:
+        ok = stats.wait_for(lambda m: m.executed_mode == "full_offload", 120)
+        assert ok.round_trips == 1
+        ping = rospy.ServiceProxy("/offload_server/ping", Ping)
+        r = ping(conv.ping_req_to_srv(auth.sign_request(KEY_A.encode(), "ping", PurePing("robotA", b"a"))))
+        assert r.status.code == Status.OK and bytes(r.payload) == b"a"
+        r = ping(conv.ping_req_to_srv(auth.sign_request(KEY_A.encode(), "ping", PurePing("robotB", b"b"))))
+        assert r.status.code == Status.UNAUTHORIZED and "bad signature" in r.status.text
+        r = ping(conv.ping_req_to_srv(auth.sign_request(KEY_A.encode(), "ping", PurePing("robotC", b"c"))))
+        assert r.status.code == Status.UNAUTHORIZED and "no key for client_id" in r.status.text
+        v1 = f"v1:{int(time.time() * 1000)}:{'0' * 32}:{'0' * 64}"
+        r = ping(client_id="robotA", payload=b"", auth=v1)
+        assert r.status.code == Status.UNAUTHORIZED and "v1 is no longer accepted" in r.status.text
+    finally:
+        stats.close()

@@ -150,3 +150,49 @@ def test_server_survives_malformed_requests(launch):
     assert r.status.code == Status.OK and list(r.tensors[0].shape) == [1, 1000]
     assert ping(client_id="t", payload=b"hi").status.code == Status.OK
     compute.close()
+
+
+def test_mode_control_service_and_locked(launch, stats, tmp_path):
+    """``mode_control: service``: rosparam changes of ~mode are ignored, set_mode switches;
+    ``locked``: set_mode is refused and the parameter ignored, the start mode stays."""
+    service_cfg = tmp_path / "service.yaml"
+    service_cfg.write_text("mode_control: service\n")
+    locked_cfg = tmp_path / "locked.yaml"
+    locked_cfg.write_text("mode_control: locked\n")
+    quiet = ["bandwidth_monitor:=false", "power_logger:=false"]
+    launch.start("server.launch")
+    launch.start("robot.launch", *ROBOT_ARGS, *quiet, "mode:=local", f"client_config:={service_cfg}")
+    launch.start("robot.launch", *ROBOT_ARGS, *quiet, "mode:=full_offload", f"client_config:={locked_cfg}",
+                 "client_name:=locked_client", "camera:=false")
+    locked = []
+    sub = rospy.Subscriber("/locked_client/stats", InferenceStats, locked.append, queue_size=100)
+    try:
+        stats.wait_for(lambda m: m.mode == "local", 120)
+        subprocess.run(["rosparam", "set", "/offload_client/mode", "full_offload"], check=True, timeout=20)
+        time.sleep(1.5)
+        _, m = stats.wait_for(lambda m: True, 5, after=time.monotonic())
+        assert m.mode == "local"                          # the parameter was ignored
+        set_mode = rospy.ServiceProxy("/offload_client/set_mode", SetMode)
+        set_mode.wait_for_service(10)
+        r = set_mode("full_offload")
+        assert r.status.code == Status.OK and r.previous_mode == "local" and r.mode == "full_offload"
+        stats.wait_for(lambda m: m.mode == "full_offload", 10, after=time.monotonic())
+
+        end = time.monotonic() + 120
+        while not locked and time.monotonic() < end:
+            time.sleep(0.2)
+        assert locked and locked[-1].mode == "full_offload"
+        lock_set = rospy.ServiceProxy("/locked_client/set_mode", SetMode)
+        lock_set.wait_for_service(10)
+        r = lock_set("local")
+        assert r.status.code == Status.UNAUTHORIZED and "locked" in r.status.text
+        assert r.previous_mode == r.mode == "full_offload"
+        subprocess.run(["rosparam", "set", "/locked_client/mode", "local"], check=True, timeout=20)
+        time.sleep(1.5)
+        n = len(locked)
+        end = time.monotonic() + 5
+        while len(locked) == n and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(locked) > n and locked[-1].mode == "full_offload"
+    finally:
+        sub.unregister()

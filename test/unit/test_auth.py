@@ -129,11 +129,13 @@ REFUSED = {
     "old timestamp": (lambda: _signed("compute", _compute_req(), now_s=auth.time.time() - 31), "clock"),
     "future timestamp": (lambda: _signed("compute", _compute_req(), now_s=auth.time.time() + 31), "clock"),
     "garbage token": (lambda: _compute_req(auth="hello"), "malformed"),
-    "v2 token": (lambda: _compute_req(auth="v2:" + _signed("compute", _compute_req()).auth[3:]), "malformed"),
-    "uppercase hex": (lambda: _compute_req(auth=_signed("compute", _compute_req()).auth.upper().replace("V1", "v1")),
+    "v3 token": (lambda: _compute_req(auth="v3:" + _signed("compute", _compute_req()).auth[3:]), "malformed"),
+    "v1 token": (lambda: _compute_req(auth=f"v1:{int(auth.time.time() * 1000)}:{'0' * 32}:{'0' * 64}"),
+                 "v1 is no longer accepted"),
+    "uppercase hex": (lambda: _compute_req(auth=_signed("compute", _compute_req()).auth.upper().replace("V2", "v2")),
                       "malformed"),
     "truncated mac": (lambda: _compute_req(auth=_signed("compute", _compute_req()).auth[:-2]), "malformed"),
-    "huge token": (lambda: _compute_req(auth="v1:" + "1" * 100000), "malformed"),
+    "huge token": (lambda: _compute_req(auth="v2:" + "1" * 100000), "malformed"),
     "token not a string": (lambda: _compute_req(auth=b"v1:1:2:3"), "malformed"),
 }
 
@@ -309,8 +311,9 @@ def test_short_environment_secret_refused():
 def test_token_format():
     token = auth.make_token(SECRET, "ping", PingRequest("t", b""), now_s=1700000000.123,
                             nonce=bytes(range(16)))
-    version, ts, nonce, mac = token.split(":")
-    assert version == "v1" and ts == "1700000000123" and nonce == bytes(range(16)).hex()
+    version, ts, nonce, digest, mac = token.split(":")
+    assert version == "v2" and ts == "1700000000123" and nonce == bytes(range(16)).hex()
+    assert digest == auth.canonical_request("ping", PingRequest("t", b"")).hex()
     assert len(mac) == 64 and int(mac, 16) >= 0
     # the canonical form separates fields unambiguously
     a = auth.canonical_request("compute", _compute_req(client_id="ab", model="c"))

@@ -5,7 +5,8 @@ keeps only the newest frame (counting drops), runs it through
 :class:`~robot_offload.client.OffloadClient` on a worker thread and publishes ``result``
 (InferenceResult) and ``stats`` (InferenceStats). The mode follows the ``~mode`` parameter
 (a cached, master-pushed parameter: ``rosparam set`` takes effect on the next frame at no
-per-frame cost) and the ``~set_mode`` service.
+per-frame cost) and the ``~set_mode`` service, as ``~mode_control`` allows
+(:mod:`robot_offload.mode_control`: ``open``, ``service`` or ``locked``).
 """
 
 import threading
@@ -18,6 +19,7 @@ from robot_offload import codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 from robot_offload.frames import LatestFrame
+from robot_offload.mode_control import ModeControl
 from robot_offload.msg import (BandwidthEstimate, InferenceResult, InferenceStats, PowerSample,
                                RobotActivity, Status)
 from robot_offload.ros import conversions as conv, logbridge
@@ -37,6 +39,7 @@ class OffloadClientNode:
         transport = (RosServiceTransport(self.server_ns, auth_secret=load_auth_secret())
                      if use_server else None)
         self.client = OffloadClient(self.config, transport)
+        self.mode_control = ModeControl(self.config.mode_control, self.client.mode)
         self._mode_param = rospy.resolve_name("~mode")
         rospy.set_param(self._mode_param, self.client.mode)
         self.slot = LatestFrame()
@@ -62,6 +65,11 @@ class OffloadClientNode:
     # -- mode ---------------------------------------------------------------------------
     def _on_set_mode(self, req):
         previous = self.client.mode
+        refusal = self.mode_control.service_refusal(req.mode)
+        if refusal is not None:
+            rospy.logwarn_throttle(5.0, refusal)
+            return SetModeResponse(status=Status(code=Status.UNAUTHORIZED, text=refusal),
+                                   previous_mode=previous, mode=previous)
         try:
             self.client.set_mode(req.mode)
         except ConfigError as e:
@@ -72,8 +80,9 @@ class OffloadClientNode:
         return SetModeResponse(status=Status(code=Status.OK, text=""), previous_mode=previous, mode=req.mode)
 
     def _follow_mode_param(self):
-        wanted = rospy.get_param_cached(self._mode_param, self.client.mode)
-        if wanted == self.client.mode:
+        wanted = self.mode_control.mode_from_param(
+            rospy.get_param_cached(self._mode_param, self.client.mode), self.client.mode)
+        if wanted is None:
             return
         try:
             self.client.set_mode(str(wanted))

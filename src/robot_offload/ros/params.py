@@ -6,6 +6,7 @@ naming the parameter, not at the first frame.
 """
 
 import dataclasses
+import os
 
 import rospy
 
@@ -49,3 +50,34 @@ def load_auth_secret():
         rospy.loginfo("%s: request authentication on (secret from %s)", rospy.get_name(),
                       path or "$" + auth.ENV_VAR)
     return secret
+
+
+def load_server_auth():
+    """``(shared secret, per-client keys)`` of the offload server; at most one is set,
+    both None means authentication off.
+
+    ``~auth_keys_file`` (mode 0600, ``client_id: secret`` lines, see
+    :func:`robot_offload.auth.parse_keys`) gives each client its own key, so a client can
+    only act as its own client_id; otherwise the shared secret of :func:`load_auth_secret`.
+    Setting both files is refused (which would apply is ambiguous); with a keys file,
+    ``$ROBOT_OFFLOAD_SECRET`` is ignored and that is logged. Keys are never parameters
+    (an ``~auth_keys`` parameter is refused) and never logged, only their number."""
+    if rospy.has_param("~auth_keys"):
+        raise ConfigError(f"{rospy.resolve_name('~auth_keys')}: keys do not belong on the parameter "
+                          "server; put them in a file (chmod 600) and set ~auth_keys_file")
+    path = str(rospy.get_param("~auth_keys_file", "") or "")
+    if not path:
+        return load_auth_secret(), None
+    if rospy.get_param("~auth_secret_file", ""):
+        raise ConfigError(f"{rospy.get_name()}: set ~auth_keys_file (per-client keys) or "
+                          "~auth_secret_file (one shared secret), not both")
+    if rospy.has_param("~auth_secret"):
+        raise ConfigError(f"{rospy.resolve_name('~auth_secret')}: secrets do not belong on the "
+                          "parameter server")
+    keys = auth.load_keys(path)
+    if auth.ENV_VAR in os.environ:
+        rospy.logwarn("%s: $%s is ignored: per-client keys from %s", rospy.get_name(),
+                      auth.ENV_VAR, path)
+    rospy.loginfo("%s: request authentication on, per-client keys (%d clients) from %s",
+                  rospy.get_name(), len(keys), path)
+    return None, keys

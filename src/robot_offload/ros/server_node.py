@@ -6,7 +6,7 @@ import rospy
 
 from robot_offload.protocol import METHODS, StatusCode
 from robot_offload.ros import conversions as conv, logbridge
-from robot_offload.ros.params import load_auth_secret, load_params
+from robot_offload.ros.params import load_params, load_server_auth
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.srv import Compute, LoadModel, Ping
 
@@ -15,9 +15,13 @@ class OffloadServerNode:
     def __init__(self):
         logbridge.install()
         self.config = load_params(ServerConfig)
-        self.server = OffloadServer(self.config, auth_secret=load_auth_secret())
+        secret, keys = load_server_auth()
+        self.server = OffloadServer(self.config, auth_secret=secret, auth_keys=keys)
         for name in rospy.get_param("~preload", []):
             self.server.load(name)
+        warm = getattr(self.server.executors.get("ops"), "warm", None)
+        if warm is not None:
+            warm()                        # the ops sandbox's first worker
         self._services = [
             rospy.Service("~load_model", LoadModel, self._wrap("load_model", conv.load_req_from_srv,
                                                                 conv.load_resp_to_srv)),

@@ -34,11 +34,13 @@ class OffloadServer:
     """Holds the loaded models and answers requests; thread-safe (one ROS thread per
     connection calls :meth:`handle` concurrently)."""
 
-    def __init__(self, config: Optional[ServerConfig] = None, auth_secret: Optional[bytes] = None):
+    def __init__(self, config: Optional[ServerConfig] = None, auth_secret: Optional[bytes] = None,
+                 auth_keys: Optional[Dict[str, bytes]] = None):
         self.config = (config or ServerConfig()).validate()
-        # With a secret every request must carry a valid token (robot_offload.auth).
-        self._verifier = (auth.Verifier(auth_secret, self.config.auth_max_skew_s)
-                          if auth_secret else None)
+        # With a shared secret or per-client keys (client_id -> key) every request must
+        # carry a valid token (robot_offload.auth).
+        self._verifier = (auth.Verifier(auth_secret, self.config.auth_max_skew_s, keys=auth_keys)
+                          if auth_secret or auth_keys else None)
         self._refusals = auth.ThrottledLog(log, interval_s=5.0)
         self.device = resolve_device(self.config.device)
         if self.device.type == "cuda":
@@ -96,10 +98,12 @@ class OffloadServer:
     def _authenticate(self, method: str, request) -> Optional[str]:
         """None when the request may proceed, else the UNAUTHORIZED text (logged, throttled
         per kind of failure). Runs before anything else looks at the request."""
+        auth.bind_identity(request, None)
         if self._verifier is None:
+            auth.bind_identity(request, auth.claimed_identity(request))
             return None
         try:
-            self._verifier.verify(method, request)
+            auth.bind_identity(request, self._verifier.verify(method, request))
             return None
         except auth.AuthError as e:
             reason, text = e.reason, str(e)
@@ -118,10 +122,17 @@ class OffloadServer:
             if close is not None:
                 close()
 
-    def identity_of(self, request) -> str:
-        """Who sent ``request``: its client id, authenticated when the server checks
-        tokens (a client id is then only as good as the key that signed it)."""
-        return request.client_id
+    def identity_of(self, request) -> auth.Identity:
+        """The client_id ``request`` may act as (an :class:`auth.Identity`, a ``str``), for
+        executors to scope per-client state (sessions, handles) by. With per-client keys it
+        is the id whose key signed the request (``proven``); with a shared secret the
+        claimed id of a validly signed request; with authentication off the claimed id,
+        ``authenticated`` False. Raises RequestRejected (UNAUTHORIZED) for a request that
+        did not pass :meth:`handle`'s authentication."""
+        identity = auth.bound_identity(request)
+        if identity is None:
+            raise RequestRejected(StatusCode.UNAUTHORIZED, "request has no verified identity")
+        return identity
 
     def _admit(self, method: str, request) -> None:
         """Well-formedness (robot_offload.request_check) and the per-client allow list."""

@@ -177,12 +177,19 @@ class SandboxedOps(Executor):
         self._config_json = json.dumps(dataclasses.asdict(cfg))
         self._lock = threading.Lock()
         self._workers: Dict[str, _Worker] = {}
-        self._spare: Optional[_Worker] = _Worker(self._config_json)   # warm for the first client
+        self._spare: Optional[_Worker] = None     # a started worker for the next new client
         #: session id -> the identity that opened it, to refuse and log a request for
         #: another client's session before it reaches any worker
         self._owners: "OrderedDict[str, str]" = OrderedDict()
         self.crashes = 0                 # workers that died under a request
         self.kills = 0                   # workers killed for running past max_request_s
+
+    def warm(self) -> None:
+        """Start the spare worker now (the node does, so its first client does not wait
+        for one to import torch)."""
+        with self._lock:
+            if self._spare is None:
+                self._spare = _Worker(self._config_json)
 
     def _take_spare(self) -> _Worker:
         spare, self._spare = self._spare, None
