@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from robot_offload import auth, codec, server as server_mod
+from robot_offload import auth, codec
 from robot_offload.errors import ConfigError
 from robot_offload.protocol import ComputeRequest, ComputeResponse, PingRequest, StatusCode
-from robot_offload.server import OffloadServer, RequestRejected, ServerConfig
+from robot_offload.server import Executor, OffloadServer, RequestRejected, ServerConfig
 
 KEY_A = b"a" * 16 + b"0123456789abcdef"
 KEY_B = b"b" * 16 + b"0123456789abcdef"
@@ -23,21 +23,21 @@ KEYS = {"robotA": KEY_A, "robotB": KEY_B}
 ENTRY = "test_identity"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def identity_executor():
-    """A model-free executor answering with the identity the server gives it."""
-    @server_mod.executor(ENTRY, needs_model=False)
-    def _run(server, loaded, req):
-        who = server.identity_of(req)
+class IdentityExecutor(Executor):
+    """A model-free entry answering with the identity the server gives it."""
+    ENTRY = ENTRY
+    NEEDS_MODEL = False
+
+    def __call__(self, loaded, req):
+        who = self.server.identity_of(req)
         return ComputeResponse(status=StatusCode.OK, result_json=json.dumps(
             {"identity": str(who), "scheme": who.scheme, "type": type(who).__name__}))
-    yield
-    server_mod.EXECUTORS.pop(ENTRY, None)
-    server_mod.MODEL_FREE_ENTRIES.discard(ENTRY)
 
 
 def _server(**kw):
-    return OffloadServer(ServerConfig(device="cpu"), **kw)
+    s = OffloadServer(ServerConfig(ops_sandbox=False, device="cpu"), **kw)
+    s.executors[ENTRY] = IdentityExecutor(s)
+    return s
 
 
 def _req(client_id, n=1000):

@@ -378,7 +378,7 @@ def test_decode_refuses_bad_int8c_headers():
 # --- crafted shapes ------------------------------------------------------------------
 from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
-from robot_offload import request_check  # noqa: E402
+from robot_offload.server import request_check  # noqa: E402
 from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode  # noqa: E402
 
 _EDGE_DIMS = [0, 1, 2, 3, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32,
