@@ -44,6 +44,8 @@ from robot_offload.server.base import Executor, RequestRejected
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!Q")
+#: how long a new worker may take to start (import torch, build its server) (s)
+STARTUP_TIMEOUT_S = 120.0
 #: largest frame either side accepts (a request is bounded by max_request_bytes before)
 MAX_FRAME_BYTES = 1 << 34
 _TENSOR_FIELDS = [f.name for f in dataclasses.fields(EncodedTensor) if f.name != "data"]
@@ -134,8 +136,17 @@ class _Worker:
         self.proc.stdin.close()
         self.lock = threading.Lock()
         self.used = time.monotonic()
+        self.ready = False
 
     def call(self, frame: bytes, timeout_s: float) -> bytes:
+        if not self.ready:             # its start (importing torch) is not the request's time
+            self.sock.settimeout(STARTUP_TIMEOUT_S)
+            try:
+                if unpack(_recv(self.sock))[0].get("ready") is not True:
+                    raise EOFError("the sandbox did not start")
+            except socket.timeout:
+                raise EOFError(f"the sandbox did not start within {STARTUP_TIMEOUT_S:.0f} s") from None
+            self.ready = True
         self.sock.settimeout(timeout_s)
         _send(self.sock, frame)
         return _recv(self.sock)
@@ -209,8 +220,11 @@ class SandboxedOps(Executor):
             w = self._workers.get(identity)
             if w is not None and w.proc.poll() is None:
                 return w
-            if w is not None:
+            if w is not None:                 # it died between requests (the OOM killer, say)
                 del self._workers[identity]
+                self.crashes += 1
+                log.error("the ops sandbox of %r had stopped (%s): its sessions are gone",
+                          identity[:64], _how(w.stop()))
             if len(self._workers) >= cfg.max_sandboxes:
                 raise RequestRejected(StatusCode.BUSY, f"{len(self._workers)} clients hold operator "
                                       "sessions (max_sandboxes); try again later")
@@ -303,6 +317,7 @@ def _serve(fd: int, config: dict) -> None:
         return out
     ops.models_for_index = models_for_index
     sock = socket.socket(fileno=fd)
+    _send(sock, pack({"ready": True}, []))
     while True:
         try:
             frame = _recv(sock)
