@@ -3,7 +3,6 @@ processes: a worker that dies or runs past max_request_s costs its own client's 
 and nobody else's; requests of another client's session are refused before any worker
 sees them; a record_replay session through the sandbox returns what local returns."""
 
-import json
 import os
 import signal
 import threading
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from robot_offload.protocol import ComputeRequest, StatusCode
+from robot_offload.protocol import StatusCode
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.server.sandbox import SandboxedOps
 from robot_offload.transparent.session import RemoteSession
