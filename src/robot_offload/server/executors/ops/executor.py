@@ -111,12 +111,13 @@ class _Run:
             out = self.bounded(func, args, kwargs)
         return out, wire.tensor_leaves(args, kwargs)
 
-    def bounded(self, func, args, kwargs, timed: bool = True):
+    def bounded(self, func, args, kwargs, timed: bool = True, costed: bool = False):
         """Run one operator within the budgets (:mod:`.calls`): costed on the meta device
-        first, refused if it writes the server's weights, its uninitialised memory zeroed
-        and its in-place growth accounted after. ``timed=False``: the caller times it."""
+        first (unless ``costed``: a replay costed it ahead), refused if it writes the
+        server's weights, its uninitialised memory zeroed and its in-place growth
+        accounted after. ``timed=False``: the caller times it."""
         calls.check_writes(func, args, kwargs, self.ops.store.shared_keys)
-        new_bytes, flops, exact = calls.estimate(func, args, kwargs)
+        new_bytes, flops, exact = (0, 0, True) if costed else calls.estimate(func, args, kwargs)
         self.charge(new_bytes, flops)
         written = calls.written_tensors(func, args, kwargs)
         old_sizes = {calls.storage_key(t): t.untyped_storage().nbytes() for t in written}
@@ -395,7 +396,6 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
     sess.partial = None   # a failure below leaves no half-run replay to continue
     peak_bytes, flops, dynamic = _replay_cost(seq, start, n, slots)
     run.charge(peak_bytes, flops)
-    shared = run.ops.store.shared_keys
     j = start
     steps = seq.steps
     t0 = time.perf_counter()
@@ -422,7 +422,7 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
                 if j in dynamic:
                     out = run.bounded(step.func, args, kwargs, timed=False)
                 elif j in seq.writing or j in seq.uninitialised:
-                    out = _guarded(run, step.func, args, kwargs, shared)
+                    out = run.bounded(step.func, args, kwargs, timed=False, costed=True)
                 else:
                     out = step.func(*args, **kwargs)
                 if step.writes or j in capture:
@@ -468,19 +468,6 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
     if n < len(seq.ops):
         sess.partial = {"id": seq_id, "at": n, "slots": slots, "captured": captured, "sizes": sizes}
     return {"kept": kept, "rets": rets}
-
-
-def _guarded(run: _Run, func, args, kwargs, shared) -> object:
-    """A replayed operator that writes an argument or returns unwritten memory: refused
-    if it writes the server's weights, zeroed, its in-place growth accounted."""
-    calls.check_writes(func, args, kwargs, shared)
-    written = calls.written_tensors(func, args, kwargs)
-    old_sizes = {calls.storage_key(t): t.untyped_storage().nbytes() for t in written}
-    out = func(*args, **kwargs)
-    calls.zero_uninitialised(func, out, args, kwargs, old_sizes)
-    for t in written:
-        run.sess.regrow(t)
-    return out
 
 
 #: replay costs kept per sequence (input signatures)
