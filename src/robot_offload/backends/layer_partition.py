@@ -73,7 +73,7 @@ class PartitionKnowledge:
     Both backends run layer partitions (``lop`` wherever LOSS degrades to one, and when its
     measured choice prefers one of layer partitioning's plans to a spatial schedule), so
     both learn the same things. Kept apart, each backend settled its close calls on its own
-    samples: in docs/bench/lop-all14, lop ran MobileNetV2 at 50 Mbit/s on a cut after
+    samples: on the testbed, lop ran MobileNetV2 at 50 Mbit/s on a cut after
     ``features_7_conv_3`` in 21 of 25 frames where layer_partition, in the same client and
     on the same frames, had measured all local faster, and lop came out 3-23 % behind
     layer_partition in all five of MobileNetV2's cells. Shared, a frame that lop runs as a

@@ -81,7 +81,7 @@ class StripeCalibration:
     profile's, whatever part of it the drift tracker's load factor explains), and a plan's
     stripe factor is that multiple over the side's load factor of the moment. Keeping only
     the factor on top of the load factor counted the server's speed twice on a machine
-    with no saved server times (docs/bench/lop-all11): lop's first spatial frames ran
+    with no saved server times: lop's first spatial frames ran
     under the guess ``server_speedup`` = 10 and their stripe factor took the server's
     real x5 (x4, its bound); layer partitions then measured the server, its load factor
     became x5, and the stripes were predicted at x20. No spatial schedule ran again above
@@ -305,7 +305,7 @@ class LopBackend(LayerPartitionBackend):
             # LOSS degraded to layer partitioning here: the frame is layer_partition's own
             # (its bucket, plan, alternatives and measurements), not a second copy of it
             # keyed by LOSS's bucket. The copy probed the same alternatives again in its
-            # own buckets and could settle on another cut: in docs/bench/lop-all8 lop ran
+            # own buckets and could settle on another cut: lop ran
             # 5-23 % behind layer_partition in 7 cells of MobileNetV2 and RegNetY (30-45
             # ms frames); RegNetY at 10 Mbit/s served a float16 cut at 44 ms against
             # layer_partition's all local at 41.5 ms.
@@ -335,7 +335,7 @@ class LopBackend(LayerPartitionBackend):
             # 100 Mbit/s where layer_partition ran them in 1.
             # The spatial schedule must measure lop_spatial_margin faster than the
             # bucket's best layer partition to be served: where the two are within noise
-            # of each other, lop runs what layer_partition runs. In docs/bench/lop-all18
+            # of each other, lop runs what layer_partition runs. Without the margin,
             # MobileNetV2 at 100 Mbit/s served a spatial schedule whose median of three
             # dipped under the input cut's, and the cell ended 1.07x layer_partition.
             chosen, probe = st.measured.choose(

@@ -14,7 +14,7 @@ They replace a Williams design (each order a row of a Latin square whose neighbo
 every ordered pair once), which balanced the steps inside the orders only: the step
 between frames always joined the same pairs (with four modes ``local`` -> ``lop`` ->
 ``layer_partition`` -> ``full_offload`` -> ``local``), so ``lop`` followed ``local`` in
-half its frames, not a third. In docs/bench/lop-small17 the server's full-offload
+half its frames, not a third. On the testbed the server's full-offload
 forwards of DenseNet-121 took 68.7 ms after ``local`` (the server idle for a whole frame)
 against 65.3 ms after another offloading mode, which put ``lop`` 1-3 % behind
 ``layer_partition`` on the same plan in most cells.

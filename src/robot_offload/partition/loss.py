@@ -57,7 +57,7 @@ it runs only up to ``c3`` and ``c3``'s tensors come down instead of the outputs:
 Every spatial schedule's latency also carries ``spatial_overhead_s`` (PlannerConfig,
 5 ms): what a spatial frame costs that these terms leave out -- the transport worker that
 sends A, the slicing and joining of rows around every region node on both sides, the
-second request when the server joins. Measured on the testbed (docs/bench/lop-all9, 0.5-CPU
+second request when the server joins. Measured on the testbed (0.5-CPU
 robot, medians): spatial frames ran over their predictions by 3.8 ms on DenseNet-121,
 4.1 ms on MobileNetV2, 6.4 ms on RegNetY, 5.1 ms on VGG-19 and 0.4 ms on ConvNeXt-T, the
 same models' layer-partition frames by -4.2 to +0.1 ms (VGG-19 +7.4); without it,

@@ -397,7 +397,7 @@ class DriftTracker:
     its whole forward (1.0) set it back, and the plans were rebuilt again and again in
     one benchmark run, each time with a near-local cut newly predicted fast enough to be run
     (120-150 ms where the bucket's plan ran 70-75); the robot factors of MobileNetV2
-    swung between 0.65 and 2.0 and KAPAO's between 1.5 and 6.4 (docs/bench/lop-all15).
+    swung between 0.65 and 2.0 and KAPAO's between 1.5 and 6.4.
     A median, unlike a mean, also takes one throttled frame for what it is; and a ratio
     that moved is drift only when the planned factor has left the samples' interquartile
     range (:meth:`drifted`)."""
@@ -447,7 +447,7 @@ class DriftTracker:
         factor is outside the interquartile range of the recent samples: three quarters
         of their weight on one side of it. Frames of 20-30 ms under a CPU quota are
         throttled once or twice, so their ratios fall in two clusters (MobileNetV2 0.7 and
-        1.4), and a median of a few of them hops from one to the other: lop-all16 rebuilt
+        1.4), and a median of a few of them hops from one to the other: one benchmark run rebuilt
         MobileNetV2's plans 33 times on a robot whose load never changed."""
         planned = self.planned[side]
         if abs(self.ratio[side] / planned - 1.0) <= self.threshold:
@@ -466,8 +466,8 @@ class DriftTracker:
         """The plans are being rebuilt: the sides that drifted (every side when none has,
         e.g. a forced re-plan) take their current ratios; returns the factors to plan
         with. A side that has not drifted keeps its factor: adopting its latest median
-        too re-based it at every re-plan the other side caused, on noise (lop-small19,
-        MobileNetV2: the robot factor moved 0.39-1.15 over 15 re-plans, most of them the
+        too re-based it at every re-plan the other side caused, on noise (MobileNetV2:
+        the robot factor moved 0.39-1.15 over 15 re-plans, most of them the
         server's)."""
         for side in self._moved or tuple(self.ratio):
             self.planned[side] = self.ratio[side]
@@ -569,7 +569,7 @@ class MeasuredChoice:
         the plan's. Its latency in this bucket is the best evidence there is, whatever was
         predicted: an alternative that ran faster than the plan here used to be dropped
         when it was no close call by prediction, and the bucket went back to the slower
-        plan (MobileNetV2 at 100 Mbit/s in docs/bench/lop-all18: the input cut measured
+        plan (MobileNetV2 at 100 Mbit/s on the testbed: the input cut measured
         25 ms, served a cut measured 30).
 
         Not yet measured here: the plan a neighbouring bucket serves as the fastest it
@@ -608,7 +608,7 @@ class MeasuredChoice:
         last as the fastest it measured. The bandwidth estimate hops between neighbouring
         buckets every few frames, and their plans' latencies differ by a bandwidth step
         at most; a bucket that had never timed its neighbour's fastest plan kept serving
-        its own plan, measured slower (DenseNet-121 at 50 Mbit/s, docs/bench/lop-all18:
+        its own plan, measured slower (DenseNet-121 at 50 Mbit/s on the testbed:
         lop's spatial schedule at 86 ms for 7 frames while the input cut ran 74 ms in the
         next bucket). Buckets that are not integers have no neighbours."""
         if not isinstance(bucket, int):
@@ -633,7 +633,7 @@ class MeasuredChoice:
         times, its per-call costs; the bandwidth is what changes), while its latency does
         not carry over. On a bandwidth trace the estimate crosses a bucket every few
         frames, and each new bucket used to time every close call again: ConvNeXt-T's
-        frames on the indoor trace (docs/bench/lop-all6) were probes in 7 of 10, of cuts
+        frames on the indoor trace were probes in 7 of 10, of cuts
         predicted within 25 % of the bucket's plan and measured 25 % slower in the buckets
         before."""
         ap, pp = self.corrected_s(alternative), self.corrected_s(plan)
@@ -660,7 +660,7 @@ class MeasuredChoice:
         Without this the planned plan ran first in every new bucket however it had
         measured elsewhere, and the bandwidth estimate crosses buckets every few frames (on
         the testbed's constant 100 Mbit/s link too, MobileNetV2's estimates ranged
-        0.6-169 Mbit/s in docs/bench/lop-all8, where lop's spatial schedule at 50 Mbit/s,
+        0.6-169 Mbit/s, and lop's spatial schedule at 50 Mbit/s,
         predicted at least 5 % faster than the layer partition, ran 55 % slower in 5 of
         21 frames)."""
         pp = self.corrected_s(plan)
