@@ -196,7 +196,8 @@ def _view_upload(sess: Session, earlier: list, i: int, spec: dict) -> Optional[t
     shape, stride, offset = view
     if (not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride)
             or len(shape) > codec.MAX_DIMS or not isinstance(offset, int) or offset < 0
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + stride)):
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
+                       for v in shape + stride + [offset])):
         raise _bad(f"upload {i}: malformed view geometry")
     (kind, val), = ref.items()
     if kind == "h":
@@ -209,7 +210,7 @@ def _view_upload(sess: Session, earlier: list, i: int, spec: dict) -> Optional[t
         raise _bad(f"upload {i}: a view refers to an earlier upload or a handle")
     try:
         return base.as_strided(shape, stride, offset)
-    except RuntimeError as e:
+    except OP_ERRORS as e:
         raise _bad(f"upload {i}: view outside its base: {str(e).splitlines()[0][:200]}") from None
 
 

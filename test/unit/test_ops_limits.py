@@ -1,0 +1,50 @@
+"""Regressions from fuzzing the ``ops`` entry (robot_offload.server.fuzz_ops): requests
+that once made the server answer INTERNAL (an exception no check caught) must be
+refused with a status the client can act on, and leave the session usable."""
+
+import json
+
+import pytest
+import torch
+
+from robot_offload import codec
+from robot_offload.protocol import ComputeRequest, StatusCode
+from robot_offload.server import OffloadServer, ServerConfig
+
+from devices import SERVER_DEVICE
+
+
+def _request(args, tensors=(), session="", client_id="t"):
+    return ComputeRequest(client_id=client_id, model="", entry="ops", session=session, tensors=list(tensors),
+                          args_json=json.dumps(args))
+
+
+@pytest.fixture
+def session():
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, max_session_mib=64))
+    resp = server.handle("compute", _request({"ops": []}))
+    assert resp.status == StatusCode.OK, resp.status_text
+    sid = json.loads(resp.result_json)["session"]
+
+    def call(args, tensors=()):
+        return server.handle("compute", _request(args, tensors, session=sid))
+    yield call
+    server.close()
+
+
+def _still_usable(call):
+    resp = call({"ops": [{"op": "aten::ones.default", "a": {"l": [{"l": [2]}]}, "k": {}}]})
+    assert resp.status == StatusCode.OK, resp.status_text
+
+
+@pytest.mark.parametrize("view", [
+    [[4, 3], [3, 2 ** 64], 0],          # a stride past int64: torch raises TypeError, not RuntimeError
+    [[2 ** 63 - 1, 1], [1, 0], 0],
+    [[2], [1], 10 ** 30],               # an offset past int64: ValueError
+    [[2], [1], True],
+])
+def test_a_view_upload_with_integers_past_int64_is_a_bad_request(session, view):
+    t = codec.encode(torch.zeros(4, 3), name="x")
+    resp = session({"uploads": [{"n": 0}, {"of": {"u": 0}, "view": view}]}, [t])
+    assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
+    _still_usable(session)
