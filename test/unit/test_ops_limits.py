@@ -48,3 +48,19 @@ def test_a_view_upload_with_integers_past_int64_is_a_bad_request(session, view):
     resp = session({"uploads": [{"n": 0}, {"of": {"u": 0}, "view": view}]}, [t])
     assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
     _still_usable(session)
+
+
+@pytest.mark.parametrize("define", [
+    {"id": "s", "n_inputs": 0, "ops": [{"a": {"l": []}}]},                    # no operator name: was KeyError
+    {"id": "s", "n_inputs": 2 ** 40, "ops": [{"op": "aten::relu.default", "a": {"l": [{"t": {"i": 0}}]}}]},
+    {"id": "s", "n_inputs": -1, "ops": [{"op": "aten::relu.default", "a": {"l": [{"t": {"c": 1}}]}}]},
+    {"id": "s", "n_inputs": True, "ops": [{"op": "aten::relu.default", "a": {"l": [{"t": {"i": 0}}]}}]},
+])
+def test_a_define_without_an_operator_name_or_with_absurd_inputs_is_a_bad_request(session, define):
+    """A huge n_inputs made the replay allocate a slot list of that length (MemoryError);
+    a negative one shifted the constants' slots onto the inputs'."""
+    resp = session({"uploads": [{"n": 0}], "define": define,
+                    "replay": {"id": "s", "n": 1, "inputs": [[0, {"u": 0}]]}},
+                   [codec.encode(torch.ones(2), name="x")])
+    assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
+    _still_usable(session)

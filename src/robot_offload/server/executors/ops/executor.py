@@ -331,10 +331,12 @@ def _define(sess: Session, spec, device: torch.device) -> None:
     if not isinstance(spec, dict) or not isinstance(spec.get("id"), str) or len(spec["id"]) > 64:
         raise _bad("define needs an id (string) and ops (list)")
     ops, n_inputs = spec.get("ops"), spec.get("n_inputs")
-    if not isinstance(ops, list) or not 0 < len(ops) <= MAX_OPS or not isinstance(n_inputs, int):
-        raise _bad("define needs 1..%d ops and n_inputs" % MAX_OPS)
-    if not all(isinstance(op, dict) for op in ops):
-        raise _bad("each op is an object")
+    if (not isinstance(ops, list) or not 0 < len(ops) <= MAX_OPS or type(n_inputs) is not int
+            or not 0 <= n_inputs <= MAX_OPS):
+        # a replay makes a slot per input: n_inputs is bounded like the operators
+        raise _bad("define needs 1..%d ops and 0..%d n_inputs" % (MAX_OPS, MAX_OPS))
+    if not all(isinstance(op, dict) and isinstance(op.get("op"), str) for op in ops):
+        raise _bad("each op is an object naming its operator (op)")
     try:
         seq = Sequence(ops, n_inputs, device)
     except (wire.WireError, CodecError) as e:
