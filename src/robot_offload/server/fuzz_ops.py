@@ -320,8 +320,14 @@ def _bind(tree, sess: Optional[SessionState], upload_shapes: list):
     """``tree`` with its :class:`_Ref` bound to ``sess`` (None: no session known)."""
     if isinstance(tree, dict):
         if "uploads" in tree and isinstance(tree["uploads"], list):
-            upload_shapes = [s for s in (u.pop("_shape", None) if isinstance(u, dict) else None
-                                         for u in tree["uploads"]) if s]
+            uploads = tree["uploads"]
+            upload_shapes = _Shapes(s for s in (u.pop("_shape", None) if isinstance(u, dict) else None
+                                                for u in uploads) if s)
+            upload_shapes.n_uploads = len(uploads)
+        ref = tree.get("h") if len(tree) == 1 else None
+        if isinstance(ref, _Ref) and ref.kind == "held" and not (sess and sess.handles) \
+                and getattr(upload_shapes, "n_uploads", 0):
+            return {"u": ref.i % upload_shapes.n_uploads}    # nothing held yet: an upload instead
         return {k: _bind(v, sess, upload_shapes) for k, v in tree.items()}
     if isinstance(tree, list):
         out = []
@@ -365,6 +371,11 @@ def _bind(tree, sess: Optional[SessionState], upload_shapes: list):
             return part[1]
         return 0
     raise AssertionError(r.kind)
+
+
+class _Shapes(list):
+    """The shapes of a request's uploads, and how many uploads it has."""
+    n_uploads = 0
 
 
 def _seq_of(sess: Optional[SessionState], i: int) -> Optional[dict]:
@@ -592,8 +603,10 @@ class _Gen:
             vals = [self.pick(SMALL_INTS) for _ in range(self.int_in(5))]
         elif c < 70:
             vals = [self.pick(EVIL_INTS) for _ in range(1 + self.int_in(4))]
-        elif c < 78:
+        elif c < 74:
             vals = [self.pick([1, 0, 2 ** 31 - 1])] * self.pick([64, 5000, 10000])     # huge lists
+        elif c < 78:                        # valid but big sizes: the byte and FLOP budgets
+            vals = self.pick([[4096, 4096], [1 << 20, 1 << 20], [64, 3, 512, 512], [1 << 24], [2048, 2048]])
         elif c < 88 and self.seq_refs is not None:
             vals = [self.size_symbol() if self.chance(50) else self.pick(SMALL_INTS)
                     for _ in range(1 + self.int_in(4))]
