@@ -64,3 +64,12 @@ def test_a_define_without_an_operator_name_or_with_absurd_inputs_is_a_bad_reques
                    [codec.encode(torch.ones(2), name="x")])
     assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
     _still_usable(session)
+
+
+def test_an_integer_argument_past_int64_is_a_bad_request(session):
+    """arange(2**64, 3.0, 3): torch raises OverflowError, which the operator errors once
+    left out (INTERNAL)."""
+    resp = session({"ops": [{"op": "aten::arange.start_step", "a": {"l": [2 ** 64, 3.0, 3]},
+                             "k": {"dtype": {"dtype": "bool"}, "pin_memory": None}}]})
+    assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
+    _still_usable(session)
