@@ -17,9 +17,11 @@ from robot_offload.soak import proc_figures
 class RosServer:
     """roscore on a free port and an offload_server node; restart = SIGKILL + a new node."""
 
-    def __init__(self, secret_file, workdir, threads=0):
+    def __init__(self, secret_file, workdir, threads=0, params=None):
         self.workdir = workdir
         self.threads = threads
+        #: extra ~parameters of the node (ServerConfig fields), e.g. smaller limits
+        self.params = dict(params or {})
         self.secret_file = secret_file
         os.environ.setdefault("ROS_HOME", os.path.join(workdir, "ros_home"))
         os.environ.setdefault("ROS_LOG_DIR", os.path.join(os.environ["ROS_HOME"], "log"))
@@ -64,7 +66,8 @@ class RosServer:
             time.sleep(0.2)
 
     def _start(self):
-        argv = ["rosrun", "robot_offload", "offload_server", "_device:=cpu", "_preload:=[]"]
+        params = dict({"device": "cpu", "preload": "[]"}, **self.params)
+        argv = ["rosrun", "robot_offload", "offload_server"] + [f"_{k}:={v}" for k, v in params.items()]
         if self.secret_file:
             argv.append(f"_auth_secret_file:={self.secret_file}")
         env = dict(os.environ)

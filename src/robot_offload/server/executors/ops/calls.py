@@ -29,7 +29,8 @@ from robot_offload.server.base import RequestRejected, bad_request
 from robot_offload.transparent import wire
 
 #: what an operator raises for arguments it cannot take: the request's fault (BAD_REQUEST)
-OP_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
+#: (ArithmeticError: an integer argument past int64 raises OverflowError)
+OP_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError, ArithmeticError)
 #: bytes charged, per input byte, to an operator whose output size depends on the data
 #: (``nonzero`` of a bool tensor returns up to 8 bytes per dimension per input byte)
 DATA_DEPENDENT_FACTOR = 64

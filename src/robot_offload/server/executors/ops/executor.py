@@ -197,7 +197,8 @@ def _view_upload(sess: Session, earlier: list, i: int, spec: dict) -> Optional[t
     shape, stride, offset = view
     if (not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride)
             or len(shape) > codec.MAX_DIMS or not isinstance(offset, int) or offset < 0
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + stride)):
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
+                       for v in shape + stride + [offset])):
         raise _bad(f"upload {i}: malformed view geometry")
     (kind, val), = ref.items()
     if kind == "h":
@@ -210,7 +211,7 @@ def _view_upload(sess: Session, earlier: list, i: int, spec: dict) -> Optional[t
         raise _bad(f"upload {i}: a view refers to an earlier upload or a handle")
     try:
         return base.as_strided(shape, stride, offset)
-    except RuntimeError as e:
+    except OP_ERRORS as e:
         raise _bad(f"upload {i}: view outside its base: {str(e).splitlines()[0][:200]}") from None
 
 
@@ -331,10 +332,12 @@ def _define(sess: Session, spec, device: torch.device) -> None:
     if not isinstance(spec, dict) or not isinstance(spec.get("id"), str) or len(spec["id"]) > 64:
         raise _bad("define needs an id (string) and ops (list)")
     ops, n_inputs = spec.get("ops"), spec.get("n_inputs")
-    if not isinstance(ops, list) or not 0 < len(ops) <= MAX_OPS or not isinstance(n_inputs, int):
-        raise _bad("define needs 1..%d ops and n_inputs" % MAX_OPS)
-    if not all(isinstance(op, dict) for op in ops):
-        raise _bad("each op is an object")
+    if (not isinstance(ops, list) or not 0 < len(ops) <= MAX_OPS or type(n_inputs) is not int
+            or not 0 <= n_inputs <= MAX_OPS):
+        # a replay makes a slot per input: n_inputs is bounded like the operators
+        raise _bad("define needs 1..%d ops and 0..%d n_inputs" % (MAX_OPS, MAX_OPS))
+    if not all(isinstance(op, dict) and isinstance(op.get("op"), str) for op in ops):
+        raise _bad("each op is an object naming its operator (op)")
     try:
         seq = Sequence(ops, n_inputs, device)
     except (wire.WireError, CodecError) as e:
