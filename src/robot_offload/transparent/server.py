@@ -21,8 +21,10 @@ References inside operator arguments: ``{"h": handle}``, ``{"u": i}`` (the i-th 
 this request); inside a sequence: ``{"c": handle}`` (a constant), ``{"i": k}`` (the k-th
 input of the replay), ``{"o": [j, k]}`` (tensor output k of operator j of the sequence).
 
-Operators are looked up by name in the ``aten`` / ``torchvision`` namespaces only
-(:func:`~robot_offload.transparent.wire.resolve_op`); their shapes are first computed on
+Operators are looked up by name in the ``aten`` / ``torchvision`` namespaces, and only
+those on the allow-list of dense operators run
+(:func:`~robot_offload.transparent.wire.resolve_op`,
+:mod:`~robot_offload.transparent.allowlist`), with arguments it accepts; their shapes are first computed on
 the ``meta`` device so that an operator whose output would exceed the session's byte
 budget is refused before any memory is allocated. Every failure is a status, the session
 stays usable (an operator that fails leaves the handles as they were).
@@ -42,7 +44,7 @@ from robot_offload import codec
 from robot_offload.errors import CodecError
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.server import OffloadServer, RequestRejected, executor
-from robot_offload.transparent import wire
+from robot_offload.transparent import allowlist, wire
 
 ENTRY = "ops"
 KEYS = frozenset({"release", "uploads", "define", "replay", "ops", "fetch"})
@@ -133,7 +135,14 @@ class Sequence:
             if not isinstance(args, list) or not isinstance(kwargs_tree, dict) or len(kwargs_tree) > 64:
                 raise _bad("sequence op: args must be {'l': [...]} and kwargs an object")
             kwargs = {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}
+            # The tensors are slots here. Those filled at replay are the session's tensors
+            # (codec uploads: dense, strided, real; views of them; registry weights) and
+            # outputs of earlier allowed operators on such tensors with arguments checked
+            # here, so they are dense too; the operators that trust a tensor's size or
+            # values are checked at each replay (call_checks).
+            allowlist.check_arguments(self.resolved[j], args, kwargs, placeholders=(_Slot, _Size))
             self.steps.append(_Step(self.resolved[j], args, kwargs))
+        self.call_checks = {j: c for j, c in enumerate(map(allowlist.call_check, self.resolved)) if c}
         # Slots: the inputs, then the session tensors, then the outputs a later operator reads.
         first_out = n_inputs + len(self.const_handles)
         self.out_slot: Dict[tuple, int] = {key: first_out + i for i, key in enumerate(sorted(self.last_use))}
@@ -359,6 +368,7 @@ class _Run:
             kwargs = {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}
         if not isinstance(args, list):
             raise _bad("args must be {'l': [...]}")
+        allowlist.check_arguments(func, args, kwargs)
         if check_size:
             self._check_size(func, args, kwargs)
         with torch.inference_mode():
@@ -615,6 +625,8 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
                         args[where] = value
                     else:
                         kwargs[where] = value
+                if j in seq.call_checks:
+                    seq.call_checks[j](args, kwargs)
                 out = step.func(*args, **kwargs)
                 if step.writes or j in capture:
                     leaves = ([out] if step.single else
