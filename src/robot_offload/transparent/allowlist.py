@@ -234,7 +234,7 @@ def call_check(func):
 
 # -- deriving the list -------------------------------------------------------------------------
 
-def derive(verbose: bool = True) -> dict:
+def derive(verbose: bool = True, sources=("registry", "programs", "habits")) -> dict:
     """{source: set of overload names} that reach a TorchDispatchMode while each source
     runs on the CPU: ``registry`` (every registry model's forward, eval mode, at its test
     input size), ``programs`` (the programs under ``test/programs``, two frames each, where
@@ -266,7 +266,7 @@ def derive(verbose: bool = True) -> dict:
 
     from robot_offload.models import get_spec, names
     seen["registry"] = ops = set()
-    for model_name in names():
+    for model_name in (names() if "registry" in sources else ()):
         spec = get_spec(model_name)
         model = spec.build()
         x = spec.example_input(spec.test_input_size)
@@ -278,7 +278,9 @@ def derive(verbose: bool = True) -> dict:
     seen["programs"] = ops = set()
     here = os.path.dirname(os.path.abspath(__file__))
     programs = os.path.join(here, "..", "..", "..", "test", "programs")
-    if os.path.isdir(programs):
+    if "programs" not in sources:
+        pass
+    elif os.path.isdir(programs):
         for prog in sorted(os.listdir(programs)):
             if not prog.endswith(".py"):
                 continue
@@ -295,7 +297,7 @@ def derive(verbose: bool = True) -> dict:
         say(f"no test programs at {programs}: skipped")
 
     seen["habits"] = ops = set()
-    for grad in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+    for grad in ((torch.no_grad, torch.inference_mode, torch.enable_grad) if "habits" in sources else ()):
         with grad(), Record(ops):
             _habits()
     say(f"habits: {len(ops)}")
