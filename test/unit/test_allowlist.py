@@ -354,3 +354,18 @@ def test_the_robot_sends_allowed_operators():
             y = sess.materialize(net(x))
     torch.testing.assert_close(y, ref)
     assert sess.stats.ops_not_allowed == 0 and sess.stats.ops_remote >= 4
+
+
+def test_a_complex_dtype_argument_keeps_the_operator_on_the_robot():
+    """The server refuses complex dtypes; the robot does not send them and gets local's
+    result (the later operators on the complex tensor run on the robot too)."""
+    transport = InProcessTransport(_server())
+    sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="transparent")
+    conv = nn.Conv2d(3, 2, 3).eval()
+    x = torch.randn(1, 3, 6, 6)
+    with torch.inference_mode():
+        ref = conv(x).to(torch.complex64).mul(1j).real
+        with sess:
+            y = sess.materialize_tree(conv(x).to(torch.complex64).mul(1j).real)
+    torch.testing.assert_close(y, ref)
+    assert sess.stats.ops_remote >= 1 and sess.stats.ops_local >= 1 and sess.stats.ops_not_allowed == 0

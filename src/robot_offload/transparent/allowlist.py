@@ -11,9 +11,14 @@ reach, derived by running them (see :func:`derive`) and reviewed by hand.
 
 :func:`check_op` refuses a name not on the list; :func:`check_arguments` refuses argument
 values outside the dense world (sparse, quantized, nested or complex tensors, storages,
-unknown objects). Both raise :class:`~robot_offload.transparent.wire.WireError`, which the
-server answers with BAD_REQUEST. The robot uses :func:`is_allowed` to run an operator that
-is not on the list itself instead of sending it.
+unknown objects) and, for the few allowed operators whose kernels trust a size or a value
+of their arguments (``native_batch_norm``'s statistics, the boxes' image numbers of
+``roi_align``/``roi_pool``, ``grid_sampler``'s modes), checks those (:data:`CALL_CHECKS`;
+a replayed sequence runs them before each such call, :func:`call_check`). Both raise
+:class:`~robot_offload.transparent.wire.WireError`, which the server answers with
+BAD_REQUEST. The robot runs an operator that is not on the list (:func:`is_allowed`) itself
+instead of sending it, as it does for a complex dtype argument (which
+:func:`~robot_offload.transparent.wire.encode` does not carry).
 
 Kept off the list, whatever a derivation finds (:data:`EXCLUDED_PATTERNS`): sparse
 (``_to_sparse*``, ``_indices``, ``_values``, COO/CSR/...) and quantized operators
@@ -43,15 +48,24 @@ from robot_offload.transparent.allowed_ops import ALLOWED_OPS
 #: computation (sparse, quantized, nested tensors), storage and memory tricks, I/O and
 #: printing. :func:`derive` reports and drops matches; a test checks the list against it.
 EXCLUDED_PATTERNS = tuple(re.compile(p) for p in (
-    r"::_?to_sparse", r"::_indices", r"::_values", r"::indices", r"::values", r"sparse", r"_coo", r"_csr",
-    r"_csc", r"_bsr", r"_bsc", r"::ccol", r"::crow", r"::row_indices", r"::col_indices",
-    r"quantiz", r"::q_", r"::int_repr", r"::dequantize", r"::fake_quant", r"_per_channel", r"_per_tensor",
-    r"::set_", r"::_set_", r"source_Storage", r"::_unsafe_(?!view\.)", r"::_fused_", r"storage",
-    r"::_print", r"::from_file", r"::save", r"::_debug", r"record_stream", r"pin_memory", r"::_pin",
-    r"nested", r"::_nnz", r"::_mkldnn", r"::mkldnn", r"::to_mkldnn", r"::_cudnn", r"::_use_cudnn",
-    r"::_make_per", r"::_make_dep", r"::_make_dual", r"::_unpack_dual", r"::view_as_complex",
-    r"::view_as_real", r"::_conj", r"::_neg_view", r"::_copy_from", r"::empty", r"::new_empty", r"::_resize_output",
-    r"::resize", r"::_reshape_alias", r"::data_ptr", r"::_version", r"::is_set_to",
+    # sparse layouts and their internals
+    r"::_?to_sparse", r"::_indices", r"::_values", r"::indices", r"::values", r"sparse", r"_coo",
+    r"_csr", r"_csc", r"_bsr", r"_bsc", r"::ccol", r"::crow", r"::row_indices", r"::col_indices",
+    r"::_nnz",
+    # quantized tensors
+    r"quantiz", r"::q_", r"::int_repr", r"::dequantize", r"::fake_quant", r"_per_channel",
+    r"_per_tensor", r"::_make_per",
+    # storages, raw memory, uninitialised memory, views that bypass the usual checks
+    r"::set_", r"::_set_", r"source_Storage", r"storage", r"::_unsafe_(?!view\.)", r"::_fused_",
+    r"::resize", r"::_resize_output", r"::_reshape_alias", r"::data_ptr", r"::_version",
+    r"::is_set_to", r"::empty", r"::new_empty", r"::_copy_from", r"record_stream", r"pin_memory",
+    r"::_pin",
+    # I/O and printing
+    r"::_print", r"::from_file", r"::save", r"::_debug",
+    # nested tensors, MKL-DNN and cuDNN internals, dual and complex views
+    r"nested", r"::_mkldnn", r"::mkldnn", r"::to_mkldnn", r"::_cudnn", r"::_use_cudnn",
+    r"::_make_dep", r"::_make_dual", r"::_unpack_dual", r"::view_as_complex", r"::view_as_real",
+    r"::_conj", r"::_neg_view",
 ))
 #: Tensor dtypes an argument may have: the wire's, less complex ones (no listed operator
 #: needs them; the codec carries none either).

@@ -22,10 +22,10 @@ this request); inside a sequence: ``{"c": handle}`` (a constant), ``{"i": k}`` (
 input of the replay), ``{"o": [j, k]}`` (tensor output k of operator j of the sequence).
 
 Operators are looked up by name in the ``aten`` / ``torchvision`` namespaces, and only
-those on the allow-list of dense operators run
+those on the allow-list of dense operators run, with arguments it accepts
 (:func:`~robot_offload.transparent.wire.resolve_op`,
-:mod:`~robot_offload.transparent.allowlist`), with arguments it accepts; their shapes are first computed on
-the ``meta`` device so that an operator whose output would exceed the session's byte
+:mod:`~robot_offload.transparent.allowlist`); their shapes are first computed on the
+``meta`` device so that an operator whose output would exceed the session's byte
 budget is refused before any memory is allocated. Every failure is a status, the session
 stays usable (an operator that fails leaves the handles as they were).
 """

@@ -99,6 +99,8 @@ def encode(value, tensor_ref: Callable, depth: int = 0):
             raise Unsupported("argument nested too deeply")
         return {"l": [encode(v, tensor_ref, depth + 1) for v in value]}
     if isinstance(value, torch.dtype):
+        if value.is_complex:      # the server computes on real tensors only (allowlist)
+            raise Unsupported(f"dtype {value}")
         return {"dtype": str(value).replace("torch.", "")}
     if isinstance(value, torch.device):
         return {"device": value.type}
