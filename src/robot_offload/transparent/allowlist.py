@@ -122,28 +122,31 @@ def check_arguments(func, args, kwargs, placeholders: tuple = ()) -> None:
     ``placeholders`` are types that stand for a value filled in later (a compiled
     sequence's tensor slots and size symbols): they are accepted as they are and the
     operator's call check is left to the replay (:func:`call_check`)."""
-    name = canonical(func) if isinstance(func, torch._ops.OpOverload) else str(func)
+    def name():             # only for a refusal's message: the usual call formats nothing
+        return canonical(func) if isinstance(func, torch._ops.OpOverload) else str(func)[:80]
+
     stack = [args, list(kwargs.values()) if isinstance(kwargs, dict) else kwargs]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
-            check_tensor(v, f"{name}: tensor argument")
+            if v.layout != torch.strided or v.is_nested or v.dtype not in ALLOWED_DTYPES:
+                check_tensor(v, f"{name()}: tensor argument")
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
         elif isinstance(v, torch.dtype):
             if v not in ALLOWED_DTYPES:
-                raise wire.WireError(f"{name}: dtype {v} is not allowed")
+                raise wire.WireError(f"{name()}: dtype {v} is not allowed")
         elif isinstance(v, torch.layout):
             if v != torch.strided:
-                raise wire.WireError(f"{name}: layout {v} is not allowed")
+                raise wire.WireError(f"{name()}: layout {v} is not allowed")
         elif isinstance(v, _PLAIN) or (placeholders and isinstance(v, placeholders)):
             continue
         else:
-            raise wire.WireError(f"{name}: argument of type {type(v).__name__} is not allowed")
+            raise wire.WireError(f"{name()}: argument of type {type(v).__name__} is not allowed")
     if isinstance(func, torch._ops.OpOverload):
         pin = _pin_memory_position(func)
         if pin is not None and _arg(args, kwargs, pin, "pin_memory") is True:
-            raise wire.WireError(f"{name}: pin_memory is not allowed")
+            raise wire.WireError(f"{name()}: pin_memory is not allowed")
         if not placeholders:
             check = call_check(func)
             if check is not None:
