@@ -13,7 +13,7 @@ from robot_offload import codec
 from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.server.executors.ops import calls
-from robot_offload.transparent import wire
+from robot_offload.transparent import allowlist, wire
 
 from devices import SERVER_DEVICE
 
@@ -56,6 +56,18 @@ def h(handle):
     return {"t": {"h": handle}}
 
 
+@pytest.fixture
+def admit(monkeypatch):
+    """Put operators the allow-list keeps off (resize_, empty*) on it for one test: the
+    protections behind the allow-list must hold on their own."""
+    def admit_(*names):
+        for name in names:
+            assert not allowlist.is_allowed(name)
+        monkeypatch.setattr(allowlist, "ALLOWED_OPS", allowlist.ALLOWED_OPS | set(names))
+        monkeypatch.setattr(wire, "_OP_CACHE", {})
+    return admit_
+
+
 # -- sessions belong to their client ------------------------------------------------------------
 def test_session_ids_are_issued_and_bound_to_the_client(caplog):
     server = _server()
@@ -93,10 +105,13 @@ def test_a_client_cannot_evict_another_clients_sessions():
 
 
 # -- bytes -------------------------------------------------------------------------------------
-def test_in_place_resize_is_charged_before_it_grows(monkeypatch):
+def test_in_place_resize_is_charged_before_it_grows(monkeypatch, admit):
     server = _server(max_session_mib=1)
     c = Client(server)
     x = c.op("aten::zeros", {"l": [4]})
+    resp = c.send({"ops": [{"op": "aten::resize_", "a": {"l": [h(x), {"l": [8]}]}, "k": {}}]})
+    assert resp.status == StatusCode.BAD_REQUEST and "allow-list" in resp.status_text   # the first line
+    admit("aten::resize_.default")
     resp = c.send({"ops": [{"op": "aten::resize_", "a": {"l": [h(x), {"l": [1 << 20]}]}, "k": {}}]})
     assert resp.status == StatusCode.TOO_LARGE, resp.status_text
     sess = next(iter(server.executors["ops"].store.sessions.values()))
@@ -124,7 +139,9 @@ def test_data_dependent_outputs_are_charged_an_upper_bound():
     assert resp.status == StatusCode.TOO_LARGE, resp.status_text
 
 
-def test_unwritten_memory_is_zeroed():
+def test_unwritten_memory_is_zeroed(admit):
+    admit("aten::empty.memory_format", "aten::empty_strided.default", "aten::new_empty.default",
+          "aten::resize_.default")
     server = _server()
     c = Client(server)
     for _ in range(20):                          # leave freed, non-zero chunks in the allocator
@@ -142,12 +159,13 @@ def test_unwritten_memory_is_zeroed():
     assert grown[0] == 5.0 and torch.count_nonzero(grown[1:]) == 0
 
 
-def test_zeroing_covers_every_operator_that_returns_unwritten_memory():
-    """The list agrees with the operators' own descriptions: every allowed overload named
-    like an allocator is in it."""
-    allocating = {n for n in calls.UNINITIALISED}
-    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"):
-        assert name in allocating
+def test_no_allowed_operator_returns_unwritten_memory_unzeroed():
+    """Every allowed operator that allocates without writing (an ``empty`` or ``resize``
+    in its name) is one the server zeroes."""
+    for name in allowlist.ALLOWED_OPS:
+        base = name.split("::")[1].split(".")[0]
+        if "empty" in base or base.startswith("resize"):
+            assert base in calls.UNINITIALISED, name
 
 
 # -- work ---------------------------------------------------------------------------------------

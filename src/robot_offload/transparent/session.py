@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from robot_offload import codec
 from robot_offload.errors import OffloadError, RemoteError, TransportError
 from robot_offload.protocol import ComputeRequest, StatusCode, raise_for_status
-from robot_offload.transparent import wire
+from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.recorder import (RecordedOp, Recorder, Sequence, frame_return,
                                                 resolve_sizes)
 from robot_offload.transparent.wire import ENTRY, content_digest
@@ -195,6 +195,7 @@ class SessionStats:
     bytes_down: int = 0
     ops_remote: int = 0
     ops_local: int = 0
+    ops_not_allowed: int = 0      # of which: operators the server does not run (allow-list)
     ops_replayed: int = 0
     server_losses: int = 0
     replays: int = 0
@@ -256,6 +257,7 @@ class RemoteSession:
         self._lock = threading.RLock()
         self._schema_cache: Dict[object, tuple] = {}
         self._static_cache: Dict[tuple, bool] = {}
+        self._allowed_cache: Dict[object, bool] = {}
         # local_fallback (the launcher): when the server fails, finish the program on the
         # robot -- remote values are recomputed from each proxy's recipe -- and offload
         # again once a background probe reaches the server. Without it (the client's
@@ -331,7 +333,8 @@ class RemoteSession:
                     if self._spec is not None and self._schema(func)[0]:
                         self._keep_written_inputs(func, args, kwargs)
                     return func(*args, **kwargs)
-                if self._writes_robot_tensor(func, args, kwargs) or self.down.is_set():
+                if (self._writes_robot_tensor(func, args, kwargs) or self.down.is_set()
+                        or not self._server_runs(func)):
                     return self._run_locally(func, args, kwargs)
             try:
                 if checked:
@@ -344,6 +347,20 @@ class RemoteSession:
                     raise
                 self._server_lost(e)
             return self._run_locally(func, args, kwargs)
+
+    def _server_runs(self, func) -> bool:
+        """Whether the server runs ``func`` (:mod:`~robot_offload.transparent.allowlist`).
+        One it refuses runs on the robot, like an argument the wire cannot carry: counted
+        in ``ops_not_allowed`` (and ``ops_local``), logged once per operator."""
+        allowed = self._allowed_cache.get(func)
+        if allowed is None:
+            allowed = self._allowed_cache[func] = allowlist.is_allowed(func)
+            if not allowed:
+                log.warning("%s is not on the server's allow-list: it runs on the robot",
+                            wire.op_name(func))
+        if not allowed:
+            self.stats.ops_not_allowed += 1
+        return allowed
 
     # -- server loss (local_fallback) --------------------------------------------------
     def _server_lost(self, error) -> None:

@@ -9,9 +9,9 @@ take (dtype, device, layout, memory format).
 
 Nothing here is executable: an operator name is resolved with attribute lookups in the
 ``aten`` and ``torchvision`` operator namespaces only, after checking it against a pattern
-and a deny list (operators that touch files), and values are rebuilt from a fixed set of
-forms. A tree that is too deep, too long or of an unknown form is refused with
-:class:`WireError`.
+and the allow-list of dense operators (:mod:`~robot_offload.transparent.allowlist`), and
+values are rebuilt from a fixed set of forms. A tree that is too deep, too long or of an
+unknown form is refused with :class:`WireError`.
 """
 
 import hashlib
@@ -26,9 +26,6 @@ from robot_offload.errors import CodecError
 #: The ``compute`` entry that runs intercepted operators (transparent, record_replay).
 ENTRY = "ops"
 NAMESPACES = ("aten", "torchvision")
-#: Operators never run for a client: they read or write files or raw memory.
-DENIED_OPS = frozenset({"from_file", "_pin_memory", "pin_memory", "set_", "_use_cudnn_ctc_loss",
-                        "record_stream", "_nested_tensor_from_mask"})
 MAX_DEPTH = 8
 MAX_ITEMS = 4096
 MAX_STRING = 256
@@ -67,7 +64,8 @@ _OP_CACHE = {}
 
 
 def resolve_op(name: str):
-    """The OpOverload called ``name``; refuses anything outside the allowed namespaces."""
+    """The OpOverload called ``name``; refuses anything outside the allowed namespaces and
+    anything not on the allow-list (:func:`allowlist.check_op`)."""
     op = _OP_CACHE.get(name)
     if op is not None:
         return op
@@ -79,8 +77,8 @@ def resolve_op(name: str):
     ns, base, overload = m.group(1), m.group(2), m.group(3) or "default"
     if ns not in NAMESPACES:
         raise WireError(f"operator namespace {ns!r} not allowed; allowed: {list(NAMESPACES)}")
-    if base in DENIED_OPS:
-        raise WireError(f"operator {name!r} is not allowed")
+    from robot_offload.transparent import allowlist     # it imports this module
+    allowlist.check_op(f"{ns}::{base}.{overload}")
     if ns == "torchvision":
         import torchvision  # noqa: F401  (registers torchvision::nms, roi_align, ...)
     try:
@@ -112,6 +110,8 @@ def encode(value, tensor_ref: Callable, depth: int = 0):
             raise Unsupported("argument nested too deeply")
         return {"l": [encode(v, tensor_ref, depth + 1) for v in value]}
     if isinstance(value, torch.dtype):
+        if value.is_complex:      # the server computes on real tensors only (allowlist)
+            raise Unsupported(f"dtype {value}")
         return {"dtype": str(value).replace("torch.", "")}
     if isinstance(value, torch.device):
         return {"device": value.type}

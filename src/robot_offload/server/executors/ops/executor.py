@@ -48,7 +48,7 @@ from robot_offload.server.executors.ops import calls
 from robot_offload.server.executors.ops.calls import OP_ERRORS, nbytes as _nbytes, op_failed as _op_failed
 from robot_offload.server.executors.ops.sequence import Sequence, _fill, _Size, _Slot
 from robot_offload.server.executors.ops.sessions import Session, SessionStore
-from robot_offload.transparent import wire
+from robot_offload.transparent import allowlist, wire
 
 ENTRY = wire.ENTRY
 KEYS = frozenset({"release", "uploads", "define", "replay", "ops", "fetch"})
@@ -107,6 +107,7 @@ class _Run:
             kwargs = {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}
         if not isinstance(args, list):
             raise _bad("args must be {'l': [...]}")
+        allowlist.check_arguments(func, args, kwargs)
         with torch.inference_mode():
             out = self.bounded(func, args, kwargs)
         return out, wire.tensor_leaves(args, kwargs)
@@ -422,6 +423,8 @@ def _replay(run: _Run, spec, fetched: list) -> dict:
                         args[where] = value
                     else:
                         kwargs[where] = value
+                if j in seq.call_checks:
+                    seq.call_checks[j](args, kwargs)
                 if j in dynamic:
                     out = run.bounded(step.func, args, kwargs, timed=False)
                 elif j in seq.writing or j in seq.uninitialised:

@@ -7,7 +7,7 @@ import torch
 
 from robot_offload.server.base import bad_request as _bad
 from robot_offload.server.executors.ops.calls import UNINITIALISED
-from robot_offload.transparent import wire
+from robot_offload.transparent import allowlist, wire
 
 
 class Sequence:
@@ -77,7 +77,14 @@ class Sequence:
             if not isinstance(args, list) or not isinstance(kwargs_tree, dict) or len(kwargs_tree) > 64:
                 raise _bad("sequence op: args must be {'l': [...]} and kwargs an object")
             kwargs = {str(k)[:64]: dec(v) for k, v in kwargs_tree.items()}
+            # The tensors are slots here. Those filled at replay are the session's tensors
+            # (codec uploads: dense, strided, real; views of them; registry weights) and
+            # outputs of earlier allowed operators on such tensors with arguments checked
+            # here, so they are dense too; the operators that trust a tensor's size or
+            # values are checked at each replay (call_checks).
+            allowlist.check_arguments(self.resolved[j], args, kwargs, placeholders=(_Slot, _Size))
             self.steps.append(_Step(self.resolved[j], args, kwargs))
+        self.call_checks = {j: c for j, c in enumerate(map(allowlist.call_check, self.resolved)) if c}
         # Slots: the inputs, then the session tensors, then the outputs a later operator reads.
         first_out = n_inputs + len(self.const_handles)
         self.out_slot: Dict[tuple, int] = {key: first_out + i for i, key in enumerate(sorted(self.last_use))}
