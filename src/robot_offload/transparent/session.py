@@ -62,6 +62,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import numpy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
@@ -83,6 +84,9 @@ DIGEST_MIN_BYTES = 64 * 1024
 #: replays; one whose content repeats (anchors, constants the program builds each frame)
 #: is kept on the server and predicted (see RemoteSession._input_ref).
 STABLE_MAX_BYTES = 4 * 1024 * 1024
+#: A robot tensor other than a weight is used again on the server only while its bytes are
+#: those uploaded: up to this size a copy of them is kept and compared, beyond it a digest.
+SNAPSHOT_MAX_BYTES = 16 * 1024 * 1024
 #: At most this many such inputs are kept per session (oldest dropped first).
 STABLE_MAX_INPUTS = 64
 #: An input whose content changed in this many replays in a row is taken for a fresh
@@ -319,15 +323,14 @@ class RemoteSession:
         self.early_replay = early_replay
         self._early_sender: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._warned_threads = set()
-        self._op_serial = 0               # operators dispatched (see _cached_handle)
         self.reset()
 
     # -- life cycle ----------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every server-side object (after a server restart or a failure)."""
         self.session_id = uuid.uuid4().hex[:16]
-        # cache key -> (weakref, stamp, handle, content digest: None for trusted tensors, ""
-        # before the second upload; the operator serial of the upload); see _cached_handle
+        # cache key -> (weakref, stamp, handle, content check: None for trusted tensors);
+        # see _cached_handle
         self._uploaded: Dict[tuple, tuple] = {}
         self._digests: Dict[int, tuple] = {}      # id(weight) -> (weakref, stamp, sha)
         # storage address -> writes the session saw robot-side operators make into it
@@ -365,7 +368,6 @@ class RemoteSession:
     # -- the interception point ----------------------------------------------------------
     def dispatch(self, func, args, kwargs):
         with self._lock:
-            self._op_serial += 1
             spec = self._spec
             # The record and the speculation follow one thread (see _follows_thread); the
             # operators of any other go one by one.
@@ -376,7 +378,7 @@ class RemoteSession:
             checked = (own and spec is not None and not kwargs and not self.down.is_set()
                        and self._compiled_match(spec, func, args))
             if not checked:
-                if _is_random(func):
+                if _is_random(func, args, kwargs):
                     return self._run_random(func, args, kwargs)
                 flat = wire.leaves((args, kwargs))
                 if any(isinstance(a, RemoteTensor) and a._cell[1] != self._generation for a in flat):
@@ -660,22 +662,15 @@ class RemoteSession:
         Weights (``nn.Parameter``) and the session's own private copies are trusted by
         :meth:`_stamp`: the program changes them with torch operators, which the session
         sees. Any other robot tensor may be written behind torch's back (numpy writes into
-        ``torch.from_numpy`` memory, a camera driver's buffer): its upload is used again
-        only when a content digest (sha256, ~0.8 ms for a 1x3x224x224 float frame) still
-        matches the uploaded bytes. Such a tensor is digested at its second upload, not
-        its first, so a fresh frame tensor uploaded once is never digested; a module
-        buffer (running statistics, anchors), which is read again every inference, at
-        its first."""
+        ``torch.from_numpy`` memory, a camera driver's buffer, an inference tensor): its
+        upload is used again only while its bytes are still those uploaded
+        (:func:`_content_check`)."""
         key, owner = self._cache_key(t)
         entry = self._uploaded.get(key)
         if entry is None or entry[0]() is not owner or entry[1] != self._stamp(owner):
             return None
-        if entry[3] is None:
-            return entry[2]           # trusted
-        if entry[3] == "":            # not digested at upload: good for that operator only
-            return entry[2] if entry[4] == self._op_serial else None
-        if content_digest(owner) != entry[3]:
-            return None               # changed since
+        if entry[3] is not None and not _content_same(owner, entry[3]):
+            return None               # written since its upload
         return entry[2]
 
     def _upload_ref(self, t: torch.Tensor, uploads: list) -> dict:
@@ -751,15 +746,8 @@ class RemoteSession:
             if self._generation == sess_gen:
                 self._releases.append(h)
                 self._uploaded.pop(key, None)
-        if _trusted(owner):
-            check = None
-        else:
-            # a module buffer at once, anything else from its second upload on (see
-            # _cached_handle)
-            prev = self._uploaded.get(key)
-            again = getattr(owner, "_ro_buffer", False) or (prev is not None and prev[0]() is owner)
-            check = content_digest(owner) if again else ""
-        self._uploaded[key] = (weakref.ref(owner, dead), self._stamp(owner), h, check, self._op_serial)
+        check = None if _trusted(owner) else _content_check(owner)
+        self._uploaded[key] = (weakref.ref(owner, dead), self._stamp(owner), h, check)
         self.recorder.note_upload(h)
 
     def _note_writes(self, func, args, kwargs) -> None:
@@ -1671,11 +1659,52 @@ def _hidden_writes(func, args, kwargs) -> list:
     return list(written) if on else []
 
 
-def _is_random(func) -> bool:
-    """Whether ``func`` draws random numbers (a ``Generator?`` argument, or the
-    ``nondeterministic_seeded`` tag): it must draw from the program's generator."""
-    return (torch.Tag.nondeterministic_seeded in func.tags
+#: Random operators that draw nothing when a flag is off (dropout in eval mode): name ->
+#: (position, name) of the flag.
+_RANDOM_ONLY_IF = {"dropout": (2, "train"), "feature_dropout": (2, "train"),
+                   "alpha_dropout": (2, "train"), "feature_alpha_dropout": (2, "train"),
+                   "native_dropout": (2, "train"), "rrelu": (3, "training"),
+                   "rrelu_with_noise": (4, "training")}
+_random_cache: Dict[object, bool] = {}
+
+
+def _is_random(func, args, kwargs) -> bool:
+    """Whether this call of ``func`` draws random numbers (a ``Generator?`` argument, or
+    the ``nondeterministic_seeded`` tag; dropout only in training): it must draw from the
+    program's generator."""
+    random = _random_cache.get(func)
+    if random is None:
+        random = _random_cache[func] = (
+            torch.Tag.nondeterministic_seeded in func.tags
             or any(str(a.type).startswith("Generator") for a in func._schema.arguments))
+    if random:
+        flag = _RANDOM_ONLY_IF.get(func._schema.name.split("::")[-1])
+        if flag is not None:
+            i, name = flag
+            on = args[i] if i < len(args) else kwargs.get(name, False)
+            return bool(on)
+    return random
+
+
+def _content_check(t: torch.Tensor):
+    """What :func:`_content_same` compares later to know that ``t``'s bytes are still the
+    ones uploaded now: a copy of them up to :data:`SNAPSHOT_MAX_BYTES` (a copy and a
+    comparison cost about 0.1 ms each for a 1x3x224x224 float frame), else their sha256
+    (about 1 ms for the same frame, 1-2 ms a megabyte)."""
+    if t.numel() * t.element_size() <= SNAPSHOT_MAX_BYTES:
+        return _bytes_of(t).copy()
+    return content_digest(t)
+
+
+def _content_same(t: torch.Tensor, check) -> bool:
+    if isinstance(check, str):
+        return content_digest(t) == check
+    return numpy.array_equal(_bytes_of(t), check)
+
+
+def _bytes_of(t: torch.Tensor):
+    """A tensor's bytes as a flat uint8 numpy array (no copy when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _trusted(t: torch.Tensor) -> bool:
@@ -1693,8 +1722,7 @@ def _install_hooks() -> None:
     ``param.data = new``; a fusion (``conv.weight = nn.Parameter(w * scale)``) wraps one.
     A weight must hold robot memory (the program reads and writes it), so a proxy
     stored there is downloaded first. ``.data =`` keeps the version counter: the
-    assignment also counts in ``_ro_data_epoch`` (see RemoteSession._stamp). Module
-    buffers are marked ``_ro_buffer`` as they are registered (see _remember_upload)."""
+    assignment also counts in ``_ro_data_epoch`` (see RemoteSession._stamp)."""
     global _HOOKS_INSTALLED
     if _HOOKS_INSTALLED:
         return
@@ -1721,15 +1749,6 @@ def _install_hooks() -> None:
             data = data._session.materialize(data)
         return param_new(cls, data, requires_grad)
     torch.nn.Parameter.__new__ = staticmethod(new_parameter)
-
-    def mark_buffer(module, name, tensor):
-        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, RemoteTensor):
-            try:
-                tensor._ro_buffer = True
-            except AttributeError:
-                pass
-    torch.nn.modules.module.register_module_buffer_registration_hook(mark_buffer)
-
 
 def _version_of(t: torch.Tensor) -> int:
     """The tensor's in-place version counter; inference tensors have none (-1): they can
