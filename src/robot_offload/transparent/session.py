@@ -13,10 +13,18 @@ reading its values (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.item()``, printi
 branch on a value) downloads it -- the counterpart of ``cudaMemcpyDtoH``. Operators that
 write into a robot tensor run on the robot, after downloading their remote arguments.
 
-Robot tensors an operator needs are uploaded once and cached by identity and version
-counter, so weights cross once and again only if modified in place; weights are first
-offered by content digest, which the server resolves from its own copy of a registry
-model without any upload.
+Robot tensors an operator needs are uploaded once and used again while they are known to
+be unchanged: weights (``nn.Parameter``) by identity, version counter, storage, the
+in-place writes the session saw and ``.data`` assignments, so they cross once and again
+only if modified; any other robot tensor only while its bytes equal those uploaded (the
+program may write into it through numpy). Weights are first offered by content digest,
+which the server resolves from its own copy of a registry model without any upload.
+
+What the program can observe stays the program's: random operators draw from its
+generator on the robot, an operator that writes a robot tensor (declared in its schema or
+hidden, as batch norm's running statistics in training mode) runs on the robot, and a
+weight never holds a proxy. :func:`follow_threads` extends interception to the threads
+the program starts.
 
 Modes:
 
@@ -652,7 +660,7 @@ class RemoteSession:
         counter (-1 for inference tensors, which have none), its storage (``.data =``
         swaps it and keeps the version), the writes this session saw robot-side
         operators make into that storage, and how often ``.data`` was assigned."""
-        ptr = t.untyped_storage().data_ptr()
+        ptr = _storage_ptr(t)
         return (_version_of(t), ptr, self._writes.get(ptr, 0), getattr(t, "_ro_data_epoch", 0))
 
     def _cached_handle(self, t: torch.Tensor):
@@ -754,7 +762,7 @@ class RemoteSession:
         """Count the writes of a robot-side operator into robot tensors (see _stamp)."""
         for t in self._written_tensors(func, args, kwargs):
             if not isinstance(t, RemoteTensor):
-                ptr = t.untyped_storage().data_ptr()
+                ptr = _storage_ptr(t)
                 self._writes[ptr] = self._writes.get(ptr, 0) + 1
 
     def _written_tensors(self, func, args, kwargs) -> list:
@@ -1749,6 +1757,15 @@ def _install_hooks() -> None:
             data = data._session.materialize(data)
         return param_new(cls, data, requires_grad)
     torch.nn.Parameter.__new__ = staticmethod(new_parameter)
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (shared by its views); its id where it has none
+    (sparse and other layouts, which are not uploaded)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
 
 def _version_of(t: torch.Tensor) -> int:
     """The tensor's in-place version counter; inference tensors have none (-1): they can
