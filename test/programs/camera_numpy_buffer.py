@@ -21,11 +21,15 @@ model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(
 rng = np.random.default_rng(7)
 buf = np.zeros((1, 3, 32, 32), dtype=np.float32)   # the driver's frame buffer
 x = torch.from_numpy(buf)                          # shares the buffer's memory
+gain_np = np.ones(5, dtype=np.float32)             # a calibration the driver updates
+gain = torch.from_numpy(gain_np)
 outs = []
 with torch.no_grad():
     for i in range(args.frames):
         buf[:] = rng.random((1, 3, 32, 32), dtype=np.float32)   # the next frame arrives
-        y = model(x)
+        if i == args.frames // 2:
+            gain_np *= 2.0
+        y = model(x) * gain
         outs.append(y.numpy().copy())
         print(f"frame {i}: class {int(y.argmax())}")
 np.savez(args.out, logits=np.stack(outs))

@@ -23,12 +23,14 @@ class Noisy(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.fc = nn.Linear(8 * 16 * 16, 6)
+        self.gen = torch.Generator().manual_seed(11)
 
     def forward(self, x):
         h = torch.relu(self.conv(x))
         h = F.dropout(h, p=0.3, training=True)             # MC dropout
         h = h + 0.1 * torch.randn(h.shape)                 # noise from the default generator
         h = h + 0.05 * torch.randn_like(h)
+        h = h + torch.empty_like(h).normal_(0, 0.01, generator=self.gen)   # its own generator
         return self.fc(h.flatten(1))
 
 
