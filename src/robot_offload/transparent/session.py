@@ -400,7 +400,7 @@ class RemoteSession:
                     # input, bookkeeping) stays on the robot; and a view of a weight stays a view
                     # of robot memory (programs write through them: YOLO's bias initialisation).
                     self.stats.ops_local += 1
-                    if self._schema(func)[0] or func._schema.name.split("::")[-1] in HIDDEN_WRITES:
+                    if self._schema(func)[0] or _short_name(func) in HIDDEN_WRITES:
                         if self._spec is not None:
                             self._keep_written_inputs(func, args, kwargs)
                         self._note_writes(func, args, kwargs)
@@ -521,7 +521,7 @@ class RemoteSession:
         ``bernoulli_`` read only their shape); a remote tensor it fills in place gets the
         robot's values by a ``copy_`` on the server."""
         self.stats.ops_local += 1
-        name = func._schema.name.split("::")[-1]
+        name = _short_name(func)
         written = {i for i, _ in self._schema(func)[0]}
         shape_only = name.endswith("_like") or name in _RANDOM_FILLS
         remote_out = []
@@ -1616,11 +1616,12 @@ def _compile_check(op: dict, schema_of):
         func = wire.resolve_op(op["op"])
     except wire.WireError:
         return None
-    if func._schema.name.split("::")[-1] in HIDDEN_WRITES:
-        return None      # whether it writes depends on a flag: the generic path decides
     a_tree = op["a"]      # the positional arguments, as the list node {"l": [...]}
     if not (isinstance(a_tree, dict) and len(a_tree) == 1 and isinstance(a_tree.get("l"), list)):
         return None
+    hidden = HIDDEN_WRITES.get(_short_name(func))
+    if hidden is not None and (len(a_tree["l"]) <= hidden[0][0] or a_tree["l"][hidden[0][0]] is not False):
+        return None      # recorded writing (or unknown): the generic path decides each time
     checks, has_out = [], False
     for pos, e in enumerate(a_tree["l"]):
         compiled = _compile_arg(e)
@@ -1657,9 +1658,20 @@ _RANDOM_FILLS = frozenset({"bernoulli_", "normal_", "uniform_", "random_", "expo
                            "geometric_", "cauchy_", "log_normal_"})
 
 
+_short_names: Dict[object, str] = {}
+
+
+def _short_name(func) -> str:
+    """``native_batch_norm`` for ``aten.native_batch_norm.default``."""
+    name = _short_names.get(func)
+    if name is None:
+        name = _short_names[func] = func._schema.name.split("::")[-1]
+    return name
+
+
 def _hidden_writes(func, args, kwargs) -> list:
     """The (position, name) of arguments ``func`` writes without its schema saying so."""
-    spec = HIDDEN_WRITES.get(func._schema.name.split("::")[-1])
+    spec = HIDDEN_WRITES.get(_short_name(func))
     if spec is None:
         return []
     (i, flag), written = spec
@@ -1686,7 +1698,7 @@ def _is_random(func, args, kwargs) -> bool:
             torch.Tag.nondeterministic_seeded in func.tags
             or any(str(a.type).startswith("Generator") for a in func._schema.arguments))
     if random:
-        flag = _RANDOM_ONLY_IF.get(func._schema.name.split("::")[-1])
+        flag = _RANDOM_ONLY_IF.get(_short_name(func))
         if flag is not None:
             i, name = flag
             on = args[i] if i < len(args) else kwargs.get(name, False)
