@@ -1724,6 +1724,11 @@ def _content_same(t: torch.Tensor, check) -> bool:
 
 def _bytes_of(t: torch.Tensor):
     """A tensor's bytes as a flat uint8 numpy array (no copy when it is contiguous)."""
+    if not t.requires_grad and t.is_contiguous():
+        try:     # the short way (a few microseconds less for the many small buffers)
+            return t.numpy().reshape(-1).view(numpy.uint8)
+        except (TypeError, RuntimeError):
+            pass     # no numpy dtype (bfloat16), a conjugate view: through torch
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
