@@ -720,6 +720,7 @@ class RemoteSession:
                      for t, _ in uploads]
         while True:
             specs, tensors = [], []
+            checks = {}     # id(owner) -> content check of the bytes sent (see _cached_handle)
             for (t, extra), dig in zip(uploads, by_digest):
                 if extra:
                     specs.append(extra)
@@ -730,6 +731,8 @@ class RemoteSession:
                     specs.append({"sha": digest})
                 else:
                     specs.append({"n": len(tensors), "sha": digest})
+                    if not _trusted(t):     # taken with the bytes, not after the reply
+                        checks[id(t)] = _content_check(t)
                     tensors.append(codec.encode(t.detach().contiguous(), f"u{len(tensors)}"))
             body = dict(req_args)
             if specs:
@@ -743,10 +746,12 @@ class RemoteSession:
                     by_digest[i] = False
                 continue
             for (t, _), h in zip(uploads, result.get("uploaded", [])):
-                self._remember_upload(t, h)
+                self._remember_upload(t, h, checks)
             return result, response
 
-    def _remember_upload(self, t: torch.Tensor, h: int) -> None:
+    def _remember_upload(self, t: torch.Tensor, h: int, checks: Optional[dict] = None) -> None:
+        """Cache the upload of ``t`` under handle ``h``; ``checks``: the content checks
+        taken as the bytes were encoded (a view's is its base's)."""
         key, owner = self._cache_key(t)
         sess_gen = self._generation
 
@@ -754,7 +759,12 @@ class RemoteSession:
             if self._generation == sess_gen:
                 self._releases.append(h)
                 self._uploaded.pop(key, None)
-        check = None if _trusted(owner) else _content_check(owner)
+        check = None
+        if not _trusted(owner):
+            check = (checks or {}).get(id(owner))
+            if check is None:      # a view of a base uploaded before: the server has its bytes
+                base = self._uploaded.get((id(owner),))
+                check = base[3] if base is not None and base[0]() is owner else _content_check(owner)
         self._uploaded[key] = (weakref.ref(owner, dead), self._stamp(owner), h, check)
         self.recorder.note_upload(h)
 
