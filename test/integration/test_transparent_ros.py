@@ -65,3 +65,23 @@ def test_client_node_record_replay_and_server_restart(launch, stats):  # noqa: F
     _, m = stats.wait_for(lambda m: m.executed_mode == "record_replay" and m.phase == "replaying", 120,
                           after=t_restart)
     assert m.round_trips <= 2 and m.fallbacks >= 1
+
+
+SUBSCRIBER = os.path.join(os.path.dirname(__file__), "programs", "subscriber_inference.py")
+
+
+def test_inference_in_a_subscriber_callback_is_intercepted(ros_master, tmp_path):
+    """rospy runs a subscriber's callback in a thread of its own: the launcher follows the
+    program into it (its operators are offloaded) and the outputs are the plain run's."""
+    plain = tmp_path / "plain.npz"
+    subprocess.run([sys.executable, SUBSCRIBER, "--out", str(plain)], check=True, timeout=300,
+                   capture_output=True)
+    for mode in ("transparent", "record_replay"):
+        out, stats_path = tmp_path / f"{mode}.npz", tmp_path / f"{mode}.json"
+        proc = subprocess.run([sys.executable, "-m", "robot_offload.transparent", "--inproc", "--mode", mode,
+                               "--stats-out", str(stats_path), "--", "python", SUBSCRIBER, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        np.testing.assert_array_equal(np.load(out)["out"], np.load(plain)["out"])
+        s = json.loads(stats_path.read_text())
+        assert s["ops_remote"] + s["ops_replayed"] > 0, "the callback's operators were not intercepted"

@@ -6,12 +6,15 @@
 
 The program runs in this interpreter (``runpy``), as ``__main__``, with its own
 ``sys.argv``, while a :class:`~robot_offload.transparent.session.Interceptor` is active on
-the main thread: nothing in the program changes. The ROS transport calls the offload
+the main thread and on every thread the program starts
+(:func:`~robot_offload.transparent.session.follow_threads`): nothing in the program
+changes. The ROS transport calls the offload
 server's services without initialising a node, so a program that is itself a ROS node
 calls ``rospy.init_node`` as usual.
 
-At exit the launcher prints a one-line summary (round trips, bytes, replays, divergences)
-to stderr and, with ``--stats-out``, writes the session's counters as JSON.
+At exit -- also when the program raises -- the launcher prints a one-line summary (round
+trips, bytes, replays, divergences) to stderr and, with ``--stats-out``, writes the
+session's counters as JSON; then the program's exit status or exception is passed on.
 """
 
 import argparse
@@ -21,7 +24,9 @@ import runpy
 import sys
 import time
 
-from robot_offload.transparent.session import MODES, RemoteSession
+import torch
+
+from robot_offload.transparent.session import MODES, RemoteSession, follow_threads
 
 PYTHONS = ("python", "python3", os.path.basename(sys.executable))
 
@@ -47,7 +52,7 @@ def run_program(command, session: RemoteSession) -> int:
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     status = 0
     try:
-        with session:
+        with session, follow_threads(session):
             if command[0] == "-m":
                 if len(command) < 2:
                     raise SystemExit("transparent: -m needs a module name")
@@ -95,9 +100,18 @@ def main(argv=None, make_call=None) -> int:
                             retry_interval_s=args.retry_interval_s)
     t0 = time.perf_counter()
     try:
-        status = run_program(command, session)
+        return run_program(command, session)
     finally:
-        close()
+        # also when the program raised: what ran until then is reported, then the
+        # exception goes on
+        try:
+            close()
+        finally:
+            _report(args, session, t0)
+
+
+def _report(args, session: RemoteSession, t0: float) -> None:
+    """The one-line summary on stderr and, with ``--stats-out``, the counters as JSON."""
     s = session.stats
     print(f"[transparent] mode={args.mode} round_trips={s.round_trips} bytes_up={s.bytes_up} "
           f"bytes_down={s.bytes_down} ops_remote={s.ops_remote} ops_replayed={s.ops_replayed} "
@@ -107,7 +121,6 @@ def main(argv=None, make_call=None) -> int:
     if args.stats_out:
         with open(args.stats_out, "w") as f:
             json.dump(dict(s.summary(), mode=args.mode, not_static=session.not_static), f, indent=1)
-    return status
 
 
 def _default_call(args):
@@ -123,6 +136,21 @@ def _default_call(args):
     if secret:
         transport.set_auth_secret(secret)
 
-    def call(request, timeout_s):
-        return transport.call("compute", request, timeout_s)
-    return call, transport.close
+    if not args.inproc:
+        def call(request, timeout_s):
+            return transport.call("compute", request, timeout_s)
+        return call, transport.close
+    # The in-process server draws random numbers from its own generator state, as a
+    # server process would, never from the program's.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0x5e4e)
+        server_rng = [torch.get_rng_state()]
+
+    def inproc_call(request, timeout_s):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(server_rng[0])
+            try:
+                return transport.call("compute", request, timeout_s)
+            finally:
+                server_rng[0] = torch.get_rng_state()
+    return inproc_call, transport.close
