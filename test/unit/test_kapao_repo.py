@@ -28,7 +28,8 @@ def make_weights(path):
     finally:
         sys.path.remove(os.path.abspath(REPO))
     torch.manual_seed(0)
-    torch.save(StandInKapao().state_dict(), path)
+    model = StandInKapao().eval()
+    torch.save({"model": model.half(), "epoch": -1}, path)      # KAPAO's release format: a pickled FP16 model
     return path
 
 
@@ -36,7 +37,7 @@ def test_record_replay_poses_equal_local(tmp_path):
     skip_off_cpu("random-weight keypoint objects are matched among near-ties, which float "
                  "rounding reorders (5 of 51 coordinates moved a grid cell on an H100)")
     runner = KapaoRepoRunner(REPO, make_weights(tmp_path / "w.pt"), imgsz=128,
-                             conf_thres_kp=0.0, conf_thres=0.0)
+                             conf_thres_kp=0.0, conf_thres=0.0, trust_checkpoint=True)
     runner.data["conf_thres_kp_person"] = 0.0
     transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     session = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
@@ -61,3 +62,16 @@ def test_record_replay_poses_equal_local(tmp_path):
 def test_not_a_checkout_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not a KAPAO checkout"):
         KapaoRepoRunner(str(tmp_path), str(tmp_path / "w.pt"))
+
+
+def test_a_pickled_checkpoint_loads_only_when_the_user_trusts_it(tmp_path):
+    """KAPAO's release format (a pickled FP16 model, then .float().fuse()): refused with a
+    message naming the switch by default, loaded with it; torch.load is itself again after."""
+    weights = make_weights(tmp_path / "w.pt")
+    with pytest.raises(ConfigError, match="trust_checkpoint"):
+        KapaoRepoRunner(REPO, weights, imgsz=128)
+    load = torch.load
+    runner = KapaoRepoRunner(REPO, weights, imgsz=128, trust_checkpoint=True)
+    assert torch.load is load
+    assert all(p.dtype == torch.float32 for p in runner.model.parameters())
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in runner.model.modules())   # fused

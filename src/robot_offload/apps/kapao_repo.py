@@ -9,9 +9,18 @@ does: ``models.experimental.attempt_load(weights, map_location)``,
 :class:`~robot_offload.transparent.session.RemoteSession`, only the model call runs under
 interception (its operators go to the offload server, one replay per frame once its
 sequence is identified); NMS and pose fusion run on the robot, as in the RRTO paper's
-people-tracking robot. ``attempt_load`` unpickles the user's own local weights file -- a
-file on the robot, never data received over the network.
+people-tracking robot.
+
+KAPAO's released weights are pickled models (FP16), and ``attempt_load`` reads them with a
+plain ``torch.load``: since torch 2.6 that refuses anything but tensors, because unpickling
+a file runs code from it. Loading one is the user's explicit choice
+(``trust_checkpoint=True``, the node's ``~trust_checkpoint``): only then, and only while
+``attempt_load`` runs, does ``torch.load`` accept pickles. The file is the user's own, on
+the robot; nothing received over the network is ever loaded this way.
 """
+
+import contextlib
+import pickle
 
 import os
 import sys
@@ -30,7 +39,7 @@ class KapaoRepoRunner:
     def __init__(self, repo: str, weights: str, data: str = "data/coco-kp.yaml", imgsz: int = 1280,
                  device: str = "cpu", conf_thres: float = 0.5, iou_thres: float = 0.45,
                  conf_thres_kp: float = 0.5, conf_thres_kp_person: float = 0.2, iou_thres_kp: float = 0.45,
-                 overwrite_tol: int = 50, use_kp_dets: bool = True):
+                 overwrite_tol: int = 50, use_kp_dets: bool = True, trust_checkpoint: bool = False):
         if not os.path.isdir(os.path.join(repo, "models")) or not os.path.isfile(os.path.join(repo, "val.py")):
             raise ConfigError(f"kapao_repo {repo!r} is not a KAPAO checkout (no models/ or val.py)")
         if not os.path.isfile(weights):
@@ -51,7 +60,15 @@ class KapaoRepoRunner:
                          conf_thres_kp_person=conf_thres_kp_person, overwrite_tol=overwrite_tol,
                          scales=[1], flips=[None], count_fused=False)
         self.device = torch.device(device)
-        self.model = attempt_load(weights, map_location=self.device).eval()
+        try:
+            with _pickles_allowed() if trust_checkpoint else contextlib.nullcontext():
+                self.model = attempt_load(weights, map_location=self.device).eval()
+        except pickle.UnpicklingError as e:
+            raise ConfigError(
+                f"{weights!r} is a pickled checkpoint (KAPAO's release format); loading it runs code "
+                "from the file, so torch refuses it by default. If the file is yours, allow it with "
+                "trust_checkpoint (the kapao_repo node's ~trust_checkpoint, "
+                "kapao_people_tracking.launch trust_checkpoint:=true)") from e
         self.stride = int(self.model.stride.max())
         self.imgsz = check_img_size(imgsz, s=self.stride)
 
@@ -91,3 +108,18 @@ class KapaoRepoRunner:
                        keypoints=np.asarray(p, dtype=np.float64)[:, :3])
                   for b, p, s in zip(bboxes, poses, scores)]
         return result, stats
+
+
+@contextlib.contextmanager
+def _pickles_allowed():
+    """``torch.load`` without ``weights_only`` for this block: the user's own checkpoint."""
+    original = torch.load
+
+    def load(f, *args, **kwargs):
+        kwargs.setdefault("weights_only", False)
+        return original(f, *args, **kwargs)
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original

@@ -35,7 +35,8 @@ class KapaoRepoNode:
             rospy.get_param("~kapao_repo"), rospy.get_param("~weights"),
             data=rospy.get_param("~data", "data/coco-kp.yaml"), imgsz=int(rospy.get_param("~imgsz", 1280)),
             conf_thres=float(rospy.get_param("~conf_thres", 0.5)),
-            conf_thres_kp=float(rospy.get_param("~conf_thres_kp", 0.5)))
+            conf_thres_kp=float(rospy.get_param("~conf_thres_kp", 0.5)),
+            trust_checkpoint=bool(rospy.get_param("~trust_checkpoint", False)))
         self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"))
         secret = load_auth_secret()
         if secret:
