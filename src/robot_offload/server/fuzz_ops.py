@@ -93,7 +93,7 @@ FUZZ_CONFIG = {
     "max_request_gflop": 1.0,
     "client_gflop_per_s": 2.0,
     "max_request_s": 5.0,
-    "max_sandboxes": 8,
+    "max_sandboxes": 10,       # the clients below, the valid one and a warm-up fit; EXTRA_CLIENTS do not
     "session_idle_s": 60.0,
 }
 #: percent of requests built shape-aware (:mod:`.fuzz_shapes`); the rest are adversarial
@@ -1059,15 +1059,19 @@ class _Tally:
     def __init__(self, send: Callable, report: FuzzReport, lock):
         self.send, self.report, self.lock = send, report, lock
 
-    def __call__(self, fr: FuzzRequest, state: FuzzState) -> None:
+    def __call__(self, fr: FuzzRequest, state: FuzzState) -> Optional[int]:
+        """Send it; the last status (None: no answer)."""
+        status = None
         for _ in range(max(1, fr.repeat)):
             resp = self._one(fr)
+            status = None if resp is None else resp.status
             if resp is not None:
                 state.observe(fr.request, fr.args, resp, fr)
                 if resp.status == StatusCode.OK and not fr.request.session:
                     sid = json.loads(resp.result_json or "{}").get("session")
                     if sid and fr.repeat > 1:
                         fr.request.session = sid        # the repeats go to the session it opened
+        return status
 
     def _one(self, fr: FuzzRequest) -> Optional[ComputeResponse]:
         report = self.report
@@ -1161,7 +1165,8 @@ def run_fuzz(send: Callable, n_requests: int, seed: int = 0, valid_every: int = 
                 with lock:
                     report.errors.append(f"generator: {type(e).__name__}: {e}")
                 return
-            tally(fr, own)
+            if tally(fr, own) == StatusCode.BUSY:
+                time.sleep(0.5)     # a refused client backs off rather than flood the count
 
     workers = [threading.Thread(target=concurrent, args=(i,), daemon=True) for i in range(threads)]
     for w in workers:

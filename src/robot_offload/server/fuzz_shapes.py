@@ -43,7 +43,7 @@ WRITES = (("aten::add_.Tensor", 2), ("aten::mul_.Scalar", "s"), ("aten::zero_.de
           ("aten::fill_.Scalar", "s"), ("aten::copy_.default", 2), ("aten::relu_.default", 0),
           ("aten::clamp_.default", "c"), ("aten::as_strided_.default", "v"))
 #: identities that appear now and then, so more clients ask for sandboxes than max_sandboxes allows
-EXTRA_CLIENTS = tuple(f"fuzz-x{i}" for i in range(6))
+EXTRA_CLIENTS = tuple(f"fuzz-x{i}" for i in range(8))
 
 
 class _T:
