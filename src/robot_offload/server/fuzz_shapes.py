@@ -141,7 +141,7 @@ class FitGen:
         r = len(shape)
         if name in ("index", "indices", "idx") or (name == "input" and ctx.get("weight_first")):
             high = min(shape) if shape else 1
-            if ctx.get("weight_first"):
+            if ctx.get("weight_first") and shape:
                 high = shape[0]
             dims = rng.choice([shape, [3], [2, 2], [1]]) if r else [1]
             return self.new(dims, torch.int64, high=max(1, high))
@@ -327,17 +327,17 @@ class FitGen:
             ctx = {"weight_first": "embedding" in opname}
             a, k, la, lk = [], {}, [], {}
             by_keyword = False
-            for arg in func._schema.arguments:
-                if arg.has_default_value() and self.rng.random() < 0.5:
-                    by_keyword = by_keyword or not arg.kwarg_only
-                    continue
-                w, v = self.value(arg, ctx, opname)
-                if arg.kwarg_only or by_keyword:
-                    k[arg.name], lk[arg.name] = w, v
-                else:
-                    a.append(w)
-                    la.append(v)
             try:
+                for arg in func._schema.arguments:
+                    if arg.has_default_value() and self.rng.random() < 0.5:
+                        by_keyword = by_keyword or not arg.kwarg_only
+                        continue
+                    w, v = self.value(arg, ctx, opname)
+                    if arg.kwarg_only or by_keyword:
+                        k[arg.name], lk[arg.name] = w, v
+                    else:
+                        a.append(w)
+                        la.append(v)
                 allowlist.check_arguments(func, la, lk)
                 with torch.inference_mode():
                     out = func(*la, **lk)
