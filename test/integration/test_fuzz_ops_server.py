@@ -17,7 +17,7 @@ too, that a good share of the requests ran (OK), that writes into those weights 
 refused, and that the limits were reached (refusals past max_request_gflop, bytes and
 compute budgets).
 
-``ROBOT_OFFLOAD_FUZZ_REQUESTS`` sets the number of requests (default 600, two to three
+``ROBOT_OFFLOAD_FUZZ_REQUESTS`` sets the number of requests (default 3000, about two
 minutes on a loaded two-core machine; the full run is ``python -m
 robot_offload.server.fuzz_ops --requests 10000``) and ``ROBOT_OFFLOAD_FUZZ_SEED`` the seed.
 """
@@ -32,7 +32,7 @@ import pytest
 from robot_offload.protocol import LoadModelRequest, PingRequest, StatusCode
 from robot_offload.server import fuzz_ops
 
-N_REQUESTS = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_REQUESTS", "600"))
+N_REQUESTS = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_REQUESTS", "3000"))
 SEED = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_SEED", "0"))
 SERVER_GROWTH_MIB = 150
 SANDBOX_SLACK_MIB = 512
@@ -77,7 +77,10 @@ def test_fuzzed_ops_requests_never_break_the_server(fuzz_server):
         return transport.call("load_model", LoadModelRequest(client_id="fuzz-load", model=model),
                               300).status == StatusCode.OK
 
-    # Baselines: the node after start, a sandbox after importing torch and serving a client.
+    # Baselines: the node after start and after loading the model whose weights uploads
+    # name (its build imports torchvision), a sandbox after importing torch and serving a client.
+    from robot_offload.server import fuzz_shapes
+    assert load(fuzz_shapes.WEIGHTS_MODEL)
     warm = fuzz_ops.ValidClient(send, client_id="warm-up")
     assert warm.check(), warm.failures
     time.sleep(1.0)
@@ -87,7 +90,7 @@ def test_fuzzed_ops_requests_never_break_the_server(fuzz_server):
     report = fuzz_ops.run_fuzz(send, N_REQUESTS, seed=SEED, valid_every=25, ping=ping, watch=watch,
                                watch_every=10, load=load, threads=1)
     print("\n" + report.table())
-    assert report.requests == N_REQUESTS
+    assert N_REQUESTS <= report.requests <= N_REQUESTS + 4     # repeats and a concurrent request in flight
     assert report.problems() == [], report.problems()
     assert not report.internal and not report.errors
     assert report.valid_checks >= N_REQUESTS // 50 and report.valid_passed == report.valid_checks

@@ -23,6 +23,8 @@ Randomness comes from a ``random.Random`` the caller seeds (from a hypothesis dr
 main fuzz loop, from the thread's seed in the concurrent clients), so a run is repeatable.
 """
 
+import json
+import os
 import random
 from typing import Dict, List, Optional
 
@@ -36,6 +38,9 @@ FIT_SHAPES = ((4,), (8,), (6,), (2, 3), (3, 4), (4, 4), (1, 8), (2, 3, 4), (2, 2
               (2, 4, 6, 6), (1, 4, 8, 8), (2, 8, 5, 5), (1, 2, 4, 4, 4), (2, 3, 10))
 #: a held tensor is used by fit requests only below this many elements (it is also made locally)
 MAX_FIT_ELEMENTS = 1 << 15
+#: a file each local trial call is appended to before it runs (JSON lines), to find the call
+#: that took the fuzzer down if one ever does; empty: none
+TRACE = os.environ.get("ROBOT_OFFLOAD_FUZZ_TRACE", "")
 #: registry model whose weights digest uploads name
 WEIGHTS_MODEL = "resnet18"
 #: in-place operators tried on registry weights (each must be refused UNAUTHORIZED)
@@ -339,6 +344,11 @@ class FitGen:
                         a.append(w)
                         la.append(v)
                 allowlist.check_arguments(func, la, lk)
+                if TRACE:
+                    with open(TRACE, "a") as f:
+                        f.write(json.dumps({"op": opname, "a": a, "k": k, "shapes": [
+                            list(v.shape) if isinstance(v, torch.Tensor) else repr(v)[:200]
+                            for v in la + list(lk.values())]}, default=str) + "\n")
                 with torch.inference_mode():
                     out = func(*la, **lk)
                 if any(isinstance(t, torch.Tensor) and t.numel() > MAX_FIT_ELEMENTS for t in wire.leaves(out)):
