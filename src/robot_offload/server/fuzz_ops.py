@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from robot_offload import codec
-from robot_offload.protocol import ComputeRequest, ComputeResponse, PingRequest, StatusCode
+from robot_offload.protocol import ComputeRequest, ComputeResponse, LoadModelRequest, PingRequest, StatusCode
 from robot_offload.transparent import wire
 
 #: Common dense-inference operators, fuzzed while the allow-list module is not there.
@@ -91,10 +91,15 @@ FUZZ_CONFIG = {
     "max_request_bytes": 4 * 2 ** 20,
     "max_input_elements": 2 ** 20,
     "max_request_gflop": 1.0,
-    "client_gflop_per_s": 20.0,
-    "max_request_s": 20.0,
-    "max_sandboxes": 8,
+    "client_gflop_per_s": 2.0,
+    "max_request_s": 5.0,
+    "max_sandboxes": 10,       # the clients below, the valid one and a warm-up fit; EXTRA_CLIENTS do not
+    "session_idle_s": 60.0,
 }
+#: percent of requests built shape-aware (:mod:`.fuzz_shapes`); the rest are adversarial
+FIT_PERCENT = 70
+#: per mille of fit requests aimed at one limit (:meth:`.fuzz_shapes.FitGen.special`)
+SPECIALS = (("slow", 4), ("hog", 30), ("gflop", 15), ("burst", 15), ("weights", 35), ("extra", 15))
 #: Identities of the fuzzing clients (each gets a sandbox process of its own).
 FUZZ_CLIENTS = ("fuzz-a", "fuzz-b", "fuzz-c")
 VALID_CLIENT = "valid-client"
@@ -143,7 +148,7 @@ def catalog(names=None) -> Dict[str, object]:
 @dataclass
 class Handle:
     h: int
-    shape: list
+    shape: Optional[list]      # None: unknown
     dtype: str
 
 
@@ -156,6 +161,7 @@ class SessionState:
     sequences: Dict[str, dict] = field(default_factory=dict)     # id -> {"n", "n_inputs"}
     partial: Optional[tuple] = None                                # (sequence id, stopped at)
     digests: List[str] = field(default_factory=list)
+    fit_seqs: Dict[str, dict] = field(default_factory=dict)         # sequences fit requests defined
 
 
 class FuzzState:
@@ -164,13 +170,16 @@ class FuzzState:
 
     MAX_HANDLES = 96
 
-    def __init__(self, clients=FUZZ_CLIENTS):
+    def __init__(self, clients=FUZZ_CLIENTS, weights=()):
         self.clients = tuple(clients)
+        self.weights = list(weights)        # registry weights (digest, shape, dtype) of fuzz_shapes
+        self.built = 0                      # fit requests built: mixed into their seeds
         self.sessions: Dict[str, SessionState] = {}
         self.by_client: Dict[str, List[str]] = {c: [] for c in self.clients}
 
-    def observe(self, req: ComputeRequest, args, resp: ComputeResponse) -> None:
-        """Learn from one request and its response (handles made, released, sessions opened)."""
+    def observe(self, req: ComputeRequest, args, resp: ComputeResponse, fr: "Optional[FuzzRequest]" = None) -> None:
+        """Learn from one request and its response (handles made, released, sessions opened,
+        shapes of uploads and outputs, sequences defined by fit requests)."""
         if resp.status != StatusCode.OK:
             if resp.status == StatusCode.STALE_HANDLE and "sandbox" in (resp.status_text or ""):
                 for sid in self.by_client.get(req.client_id, []):   # its sandbox, and sessions, are gone
@@ -206,15 +215,28 @@ class FuzzState:
             for spec in args.get("uploads", []) if isinstance(args.get("uploads"), list) else []:
                 if isinstance(spec, dict) and isinstance(spec.get("sha"), str) and len(spec["sha"]) == 64:
                     sess.digests.append(spec["sha"])
-        for h in result.get("uploaded", []):
+        metas = fr.upload_meta if fr is not None else []
+        for n, h in enumerate(result.get("uploaded", [])):
             if isinstance(h, int):
-                self._add(sess, Handle(h, [], ""))
+                meta = metas[n] if n < len(metas) and metas[n] else (None, "")
+                self._add(sess, Handle(h, meta[0], meta[1]))
+        info = fr.info if fr is not None else {}
+        if "continued" not in info:           # the server keeps one stopped replay per session
+            for seq in sess.fit_seqs.values():
+                seq.pop("stopped", None)
+        if "define" in info:
+            seq_id, seq = info["define"]
+            sess.fit_seqs[seq_id] = dict(seq)
+        if "partial" in info and info["partial"][0] in sess.fit_seqs:
+            sess.fit_seqs[info["partial"][0]]["stopped"] = info["partial"][1]
+        if "continued" in info and info["continued"] in sess.fit_seqs:
+            sess.fit_seqs[info["continued"]].pop("stopped", None)
         for tree in result.get("ops", []):
             for t in _tensor_metas(tree):
                 self._add(sess, Handle(t["h"], list(t.get("s", [])), t.get("d", "")))
         for kept in (result.get("replay") or {}).get("kept", []):
             if isinstance(kept, list) and len(kept) == 3:
-                self._add(sess, Handle(kept[2], [], ""))
+                self._add(sess, Handle(kept[2], None, ""))
         del sess.digests[:-16]
 
     def _add(self, sess: SessionState, h: Handle) -> None:
@@ -248,10 +270,16 @@ def _tensor_metas(tree) -> list:
 @dataclass
 class FuzzRequest:
     """One generated request: what is sent (``request``) and its arguments (``args``:
-    the parsed args_json, or None when the JSON is deliberately broken)."""
+    the parsed args_json, or None when the JSON is deliberately broken); ``upload_meta``:
+    (shape, dtype name) of each upload where known; ``info``: what a fit request expects
+    (sequences it defines, a write into registry weights); ``repeat``: times it is sent
+    back to back."""
     request: ComputeRequest
     args: object
     kind: str
+    upload_meta: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    repeat: int = 1
 
 
 def request_strategy(state: FuzzState, ops: Dict[str, object]):
@@ -269,38 +297,94 @@ def request_strategy(state: FuzzState, ops: Dict[str, object]):
 
     @st.composite
     def template(draw):
-        g = _Gen(draw, ops, names)
-        client = g.pick(state.clients)
-        c = g.int_in(100)
-        session = "" if c < 6 else _Ref("foreign", g.int_in(1 << 16), g.int_in(4)) if c < 9 \
-            else _Ref("session", g.int_in(1 << 16))
-        args, tensors, kind = g.request()
-        if g.chance(2):                                     # an unknown top-level key
-            args[g.pick(["evil", "exec", "Ops", ""])] = g.int_in(4)
-        broken = g.pick(["[]", "null", "{", "\"ops\"", "{\"ops\": {\"l\": []}}", "1e999",
-                         "{\"ops\": [{\"op\": \"aten::relu\", \"a\": {\"l\": [NaN]}}]}"]) if g.chance(1) else None
-        out_codec = g.pick(["raw"] * 8 + ["float16", "int8", "bogus"])
-        model = g.pick(["", "", "resnet18", "nope"])
-        return client, session, args, tensors, kind, broken, out_codec, model
+        return _template(_Gen(draw, ops, names))
 
-    def build(t) -> FuzzRequest:
-        client, session, args, tensors, kind, broken, out_codec, model = t
-        known = [state.sessions[s] for s in state.by_client.get(client, []) if s in state.sessions]
-        sess = None
-        if isinstance(session, _Ref) and session.kind == "session":
-            sess = known[session.i % len(known)] if known else None
-            session = sess.id if sess else ""
-        elif isinstance(session, _Ref):
-            others = [s for c, ss in state.by_client.items() if c != client for s in ss]
-            made_up = ["%032x" % session.i, "x", "0" * 32, "#" * 2000]
-            session = others[session.i % len(others)] if others and session.extra == 0 \
-                else made_up[session.extra % len(made_up)]
-        args = _bind(args, sess, [])
-        text = broken if broken is not None else json.dumps(args)
-        req = ComputeRequest(client_id=client, model=model, entry="ops", session=session, tensors=tensors,
-                             args_json=text, output_codec=out_codec)
-        return FuzzRequest(req, None if broken is not None else args, kind)
-    return template().map(build)
+    return template().map(lambda t: _build(state, ops, t))
+
+
+def make_request(state: FuzzState, ops: Dict[str, object], rng) -> FuzzRequest:
+    """One request like :func:`request_strategy`'s, drawn from ``rng`` (a random.Random)
+    instead of hypothesis: what the concurrent fuzzing clients send."""
+    return _build(state, ops, _template(_Gen(None, ops, sorted(ops), rng=rng)))
+
+
+def _template(g: "_Gen"):
+    """The state-independent draws of one request (see :func:`request_strategy`)."""
+    client = g.int_in(1 << 16)                # bound to a client of the state
+    c = g.int_in(100)
+    session = "" if c < 6 else _Ref("foreign", g.int_in(1 << 16), g.int_in(4)) if c < 9 \
+        else _Ref("session", g.int_in(1 << 16))
+    args, tensors, kind = g.request()
+    if g.chance(2):                                     # an unknown top-level key
+        args[g.pick(["evil", "exec", "Ops", ""])] = g.int_in(4)
+    broken = g.pick(["[]", "null", "{", "\"ops\"", "{\"ops\": {\"l\": []}}", "1e999",
+                     "{\"ops\": [{\"op\": \"aten::relu\", \"a\": {\"l\": [NaN]}}]}"]) if g.chance(1) else None
+    out_codec = g.pick(["raw"] * 8 + ["float16", "int8", "bogus"])
+    model = g.pick(["", "", "resnet18", "nope"])
+    fit = g.int_in(100) < FIT_PERCENT
+    fit_seed = g.int_in(1 << 30)
+    return client, session, args, tensors, kind, broken, out_codec, model, fit, fit_seed
+
+
+
+def _build(state: FuzzState, ops, t) -> FuzzRequest:
+    """Bind one template to the server state as the fuzzer knows it."""
+    client, session, args, tensors, kind, broken, out_codec, model, fit, fit_seed = t
+    client = state.clients[client % len(state.clients)]
+    if fit:
+        return _fit_request(state, ops, client, fit_seed)
+    known = [state.sessions[s] for s in state.by_client.get(client, []) if s in state.sessions]
+    sess = None
+    if isinstance(session, _Ref) and session.kind == "session":
+        sess = known[session.i % len(known)] if known else None
+        session = sess.id if sess else ""
+    elif isinstance(session, _Ref):
+        others = [s for c, ss in state.by_client.items() if c != client for s in ss]
+        made_up = ["%032x" % session.i, "x", "0" * 32, "#" * 2000]
+        session = others[session.i % len(others)] if others and session.extra == 0 \
+            else made_up[session.extra % len(made_up)]
+    args = _bind(args, sess, [])
+    text = broken if broken is not None else json.dumps(args)
+    req = ComputeRequest(client_id=client, model=model, entry="ops", session=session, tensors=tensors,
+                         args_json=text, output_codec=out_codec)
+    return FuzzRequest(req, None if broken is not None else args, kind)
+
+
+def _fit_request(state: FuzzState, ops, client: str, seed: int) -> FuzzRequest:
+    """A shape-aware request (:class:`.fuzz_shapes.FitGen`) of ``client``, in one of its
+    sessions (or a new one), now and then one aimed at a server limit."""
+    import random
+    from robot_offload.server import fuzz_shapes
+    state.built += 1
+    # hypothesis favours small draws: the count keeps equal draws from making equal requests
+    rng = random.Random(f"{seed}/{state.built}/{','.join(state.clients)}")
+    known = [state.sessions[s] for s in state.by_client.get(client, []) if s in state.sessions]
+    sess = rng.choice(known) if known and rng.random() < 0.92 else None
+    held = [(h.h, h.shape, h.dtype) for h in sess.handles.values() if h.shape is not None and h.dtype] if sess else []
+    gen = fuzz_shapes.FitGen(rng, ops, held=held, seqs=sess.fit_seqs if sess else {}, weights=state.weights)
+    pm = rng.randrange(1000)
+    special = None
+    for name, per_mille in SPECIALS:
+        if pm < per_mille:
+            special = name
+            break
+        pm -= per_mille
+    if special == "weights" and not state.weights:
+        special = None
+    repeat = 1
+    if special is None:
+        args, tensors, kind = gen.request()
+    else:
+        args, tensors, repeat = gen.special(special)
+        kind = "limit-" + special
+        if special == "extra":
+            client, sess = rng.choice(fuzz_shapes.EXTRA_CLIENTS), None
+        if special == "weights":
+            by_digest = {d: (shape, str(dtype).replace("torch.", "")) for d, shape, dtype in state.weights}
+            gen.upload_meta = [by_digest[u["sha"]] for u in args["uploads"]]
+    req = ComputeRequest(client_id=client, model="", entry="ops", session=sess.id if sess else "",
+                         tensors=list(tensors), args_json=json.dumps(args))
+    return FuzzRequest(req, args, kind, upload_meta=gen.upload_meta, info=gen.info, repeat=repeat)
 
 
 class _Ref:
@@ -387,9 +471,12 @@ class _Gen:
     """Draws the parts of one request (``draw`` is hypothesis's draw); what refers to the
     server's state is drawn as :class:`_Ref`."""
 
-    def __init__(self, draw, ops, names):
-        from hypothesis import strategies as st
-        self.st = st
+    def __init__(self, draw, ops, names, rng=None):
+        self.st = None
+        if draw is not None:
+            from hypothesis import strategies as st
+            self.st = st
+        self.rng = rng          # a random.Random drawing instead of hypothesis (draw None)
         self.draw = draw
         self.ops = ops
         self.names = names
@@ -406,6 +493,8 @@ class _Gen:
         return self.int_in(100) < self.tame
 
     def int_in(self, n: int) -> int:
+        if self.draw is None:
+            return self.rng.randrange(n)
         return self.draw(self.st.integers(0, n - 1))
 
     def pick(self, options):
@@ -622,6 +711,8 @@ class _Gen:
             return self.pick([0.0, 1.0, -1.0, 0.5, 1e-12, 1e308, -0.0, 3.0])
         if c < 75:
             return self.pick([{"f": "inf"}, {"f": "-inf"}, {"f": "nan"}, {"f": "bogus"}, 2 ** 63 - 1])
+        if self.draw is None:
+            return self.rng.uniform(-3.4e38, 3.4e38)
         return self.draw(self.st.floats(allow_nan=False, allow_infinity=False, width=32))
 
     def value(self, arg):
@@ -863,6 +954,11 @@ class FuzzReport:
     requests: int = 0
     by_status: Counter = field(default_factory=Counter)
     by_kind: Counter = field(default_factory=Counter)
+    by_reason: Counter = field(default_factory=Counter)      # refusals by :func:`refusal_reason`
+    reason_examples: Dict[str, str] = field(default_factory=dict)   # reason -> its first status_text
+    ok_by_kind: Counter = field(default_factory=Counter)
+    weight_writes_refused: int = 0
+    weight_writes_allowed: List[str] = field(default_factory=list)   # writes into registry weights answered OK
     internal: List[str] = field(default_factory=list)        # INTERNAL answers: request and text
     errors: List[str] = field(default_factory=list)          # exceptions instead of answers
     sandbox_crashes: List[str] = field(default_factory=list)  # workers that died under a request
@@ -900,6 +996,9 @@ class FuzzReport:
             out.append(f"the server process died or changed {self.restarts} times")
         if self.pings_failed:
             out.append(f"{self.pings_failed} pings failed")
+        if self.weight_writes_allowed:
+            out.append(f"{len(self.weight_writes_allowed)} writes into registry weights were answered OK, "
+                       f"e.g. {self.weight_writes_allowed[0]}")
         if self.valid_failures or self.valid_passed < self.valid_checks:
             out.append(f"the valid client failed {self.valid_checks - self.valid_passed} of "
                        f"{self.valid_checks} checks, e.g. {self.valid_failures[:1]}")
@@ -908,7 +1007,12 @@ class FuzzReport:
     def table(self) -> str:
         rows = [("requests sent", self.requests)]
         rows += [(f"  {StatusCode(code).name}", n) for code, n in sorted(self.by_status.items())]
-        rows += [(f"  kind {k}", n) for k, n in sorted(self.by_kind.items())]
+        ok = self.by_status.get(int(StatusCode.OK), 0)
+        rows.append(("OK rate", "%.1f %%" % (100.0 * ok / max(1, self.requests))))
+        rows += [(f"  kind {k} (OK)", f"{n} ({self.ok_by_kind.get(k, 0)})") for k, n in sorted(self.by_kind.items())]
+        rows += [(f"  refused: {k}", n) for k, n in sorted(self.by_reason.items(), key=lambda kv: -kv[1])]
+        rows += [("registry-weight writes refused", self.weight_writes_refused),
+                 ("registry-weight writes answered OK", len(self.weight_writes_allowed))]
         rows += [("exceptions (no answer)", len(self.errors)),
                  ("sandbox crashes (contained)", len(self.sandbox_crashes)),
                  ("sandbox kills (max_request_s)", self.sandbox_kills),
@@ -924,62 +1028,173 @@ class FuzzReport:
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+#: (text in a refusal's status_text, short reason), first match wins
+REASONS = (
+    ("max_session_mib", "max_session_mib"), ("max_client_mib", "max_client_mib"),
+    ("max_request_gflop", "max_request_gflop"), ("client_gflop_per_s", "client_gflop_per_s"),
+    ("max_sandboxes", "max_sandboxes"), ("max_request_s", "max_request_s"),
+    ("max_request_bytes", "max_request_bytes"), ("max_sessions", "max_sessions"),
+    ("another client", "another client"), ("shares with every client", "registry weight write"),
+    ("allow-list", "allow-list"), ("sandbox of this client stopped", "sandbox crash"),
+    ("unknown tensor handle", "unknown handle"), ("unknown session", "unknown session"),
+    ("unknown sequence", "unknown sequence"), ("no replay of", "no stopped replay"),
+    ("size symbol", "size symbol"), (" failed: ", "operator failed"), ("upload", "upload"),
+    ("not JSON", "bad JSON"), ("args_json must be", "bad JSON"), ("reference", "bad reference"),
+    ("replay", "bad replay"), ("define", "bad define"), ("elements", "max_input_elements"),
+    ("not allowed", "argument not allowed"), ("unknown entry", "unknown entry"),
+)
+
+
+def refusal_reason(code: int, text: str) -> str:
+    """A short reason for a refusal (a status other than OK) from its status text."""
+    for needle, reason in REASONS:
+        if needle in text:
+            return reason
+    return f"other {StatusCode(code).name}"
+
+
+class _Tally:
+    """Sends a generated request (``repeat`` times) and counts what came back."""
+
+    def __init__(self, send: Callable, report: FuzzReport, lock):
+        self.send, self.report, self.lock = send, report, lock
+
+    def __call__(self, fr: FuzzRequest, state: FuzzState) -> Optional[int]:
+        """Send it; the last status (None: no answer)."""
+        status = None
+        for _ in range(max(1, fr.repeat)):
+            resp = self._one(fr)
+            status = None if resp is None else resp.status
+            if resp is not None:
+                state.observe(fr.request, fr.args, resp, fr)
+                if resp.status == StatusCode.OK and not fr.request.session:
+                    sid = json.loads(resp.result_json or "{}").get("session")
+                    if sid and fr.repeat > 1:
+                        fr.request.session = sid        # the repeats go to the session it opened
+        return status
+
+    def _one(self, fr: FuzzRequest) -> Optional[ComputeResponse]:
+        report = self.report
+        try:
+            resp = self.send(fr.request)
+        except Exception as e:  # noqa: BLE001 - a transport failure is a finding, not a crash of the fuzzer
+            with self.lock:
+                report.requests += 1
+                report.by_kind[fr.kind] += 1
+                report.errors.append(f"{type(e).__name__}: {str(e)[:200]} for {fr.request.args_json[:300]}")
+            return None
+        with self.lock:
+            report.requests += 1
+            report.by_kind[fr.kind] += 1
+            if not isinstance(resp, ComputeResponse) or not isinstance(resp.status, int):
+                report.errors.append(f"answer {type(resp).__name__} for {fr.request.args_json[:300]}")
+                return None
+            try:
+                code = StatusCode(resp.status)
+            except ValueError:
+                report.errors.append(f"unknown status {resp.status} for {fr.request.args_json[:300]}")
+                return None
+            report.by_status[int(code)] += 1
+            text = resp.status_text or ""
+            if code == StatusCode.OK:
+                report.ok_by_kind[fr.kind] += 1
+            else:
+                reason = refusal_reason(code, text)
+                report.by_reason[reason] += 1
+                report.reason_examples.setdefault(reason, text[:300])
+            if code == StatusCode.INTERNAL:
+                report.internal.append(f"{text[:300]} <- {fr.request.args_json[:1500]}")
+            elif code == StatusCode.STALE_HANDLE and "sandbox of this client stopped" in text:
+                report.sandbox_crashes.append(f"{text[:200]} <- {fr.request.args_json[:1500]}")
+            elif code == StatusCode.BUSY and "max_request_s" in text:
+                report.sandbox_kills += 1
+            if fr.info.get("writes_weight"):
+                if code == StatusCode.OK:
+                    report.weight_writes_allowed.append(fr.request.args_json[:300])
+                elif code == StatusCode.UNAUTHORIZED:
+                    report.weight_writes_refused += 1
+        return resp
+
+
+def load_weights(load: Optional[Callable]) -> list:
+    """Have the server load the registry model whose weights fit requests name by digest
+    (``load(model) -> True`` when loaded) and return those weights as
+    ``(digest, shape, dtype)``; [] without ``load`` or when it fails."""
+    from robot_offload.server import fuzz_shapes
+    if load is None or not load(fuzz_shapes.WEIGHTS_MODEL):
+        return []
+    return fuzz_shapes.registry_weights(fuzz_shapes.WEIGHTS_MODEL)
+
+
 def run_fuzz(send: Callable, n_requests: int, seed: int = 0, valid_every: int = 50,
              ping: Optional[Callable] = None, watch: Optional[ProcessWatch] = None,
              watch_every: int = 20, ops: Optional[Dict[str, object]] = None,
-             progress: Optional[Callable] = None, report: Optional[FuzzReport] = None) -> FuzzReport:
+             progress: Optional[Callable] = None, report: Optional[FuzzReport] = None,
+             load: Optional[Callable] = None, threads: int = 0) -> FuzzReport:
     """Send ``n_requests`` generated requests through ``send(ComputeRequest) ->
     ComputeResponse``, a :class:`ValidClient` check every ``valid_every`` of them, a
     ``ping()`` (True when answered OK) and a ``watch`` sample every ``watch_every``.
+    ``load(model) -> bool`` loads a registry model on the server, whose weights fit
+    requests then name by digest; ``threads`` more clients fuzz concurrently (identities
+    of their own, :func:`make_request`), their requests counted in the same report.
     Never stops at a problem: everything is counted in the returned report."""
+    import random
+    import threading
     from hypothesis import HealthCheck, Phase, given, seed as hyp_seed, settings, strategies as st
 
     ops = ops or catalog()
-    state = FuzzState()
+    weights = load_weights(load)
+    state = FuzzState(weights=weights)
     report = report or FuzzReport()
     valid = ValidClient(send, seed=seed)
     t0 = time.monotonic()
+    lock = threading.Lock()
+    tally = _Tally(send, report, lock)
+    stop = threading.Event()
 
     def one(fr: FuzzRequest) -> None:
-        report.requests += 1
-        report.by_kind[fr.kind] += 1
-        try:
-            resp = send(fr.request)
-        except Exception as e:  # noqa: BLE001 - a transport failure is a finding, not a crash of the fuzzer
-            report.errors.append(f"{type(e).__name__}: {str(e)[:200]} for {fr.request.args_json[:300]}")
-            return
-        if not isinstance(resp, ComputeResponse) or not isinstance(resp.status, int):
-            report.errors.append(f"answer {type(resp).__name__} for {fr.request.args_json[:300]}")
-            return
-        try:
-            code = StatusCode(resp.status)
-        except ValueError:
-            report.errors.append(f"unknown status {resp.status} for {fr.request.args_json[:300]}")
-            return
-        report.by_status[int(code)] += 1
-        text = resp.status_text or ""
-        if code == StatusCode.INTERNAL:
-            report.internal.append(f"{text[:300]} <- {fr.request.args_json[:1500]}")
-        elif code == StatusCode.STALE_HANDLE and "sandbox of this client stopped" in text:
-            report.sandbox_crashes.append(f"{text[:200]} <- {fr.request.args_json[:1500]}")
-        elif code == StatusCode.BUSY and "max_request_s" in text:
-            report.sandbox_kills += 1
-        state.observe(fr.request, fr.args, resp)
+        tally(fr, state)
+
+    def concurrent(i: int) -> None:
+        rng = random.Random(seed * 7919 + i)
+        own = FuzzState(clients=(f"fuzz-t{i}",), weights=weights)
+        while not stop.is_set() and report.requests < n_requests:
+            try:
+                fr = make_request(own, ops, rng)
+            except Exception as e:  # noqa: BLE001 - a generator bug is reported, not a hang
+                with lock:
+                    report.errors.append(f"generator: {type(e).__name__}: {e}")
+                return
+            if tally(fr, own) == StatusCode.BUSY:
+                time.sleep(0.5)     # a refused client backs off rather than flood the count
+
+    workers = [threading.Thread(target=concurrent, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+
+    last = {"valid": 0, "watch": 0, "progress": 0}
+
+    def due(what: str, every: int) -> bool:
+        """Whether ``every`` more requests were sent since ``what`` last ran (the
+        concurrent clients add to the count too)."""
+        if every and report.requests - last[what] >= every:
+            last[what] = report.requests
+            return True
+        return False
 
     def between() -> None:
-        k = report.requests
-        if valid_every and k % valid_every == 0:
+        if due("valid", valid_every):
             report.valid_checks += 1
             if valid.check():
                 report.valid_passed += 1
             else:
                 report.valid_failures.append(valid.failures[-1])
-        if k % watch_every == 0:
+        if due("watch", watch_every):
             if ping is not None and not ping():
                 report.pings_failed += 1
             if watch is not None:
                 report.note(watch.sample())
-        if progress is not None and k % 500 == 0:
+        if progress is not None and due("progress", 500):
             progress(report)
 
     if watch is not None:
@@ -993,11 +1208,15 @@ def run_fuzz(send: Callable, n_requests: int, seed: int = 0, valid_every: int = 
                   suppress_health_check=list(HealthCheck))
         @given(strategy)
         def step(data):
-            if report.requests >= n_requests:
+            fr = data.draw(request_strategy(state, ops))     # always drawn: hypothesis wants the
+            if report.requests >= n_requests:                # same draws for the same choices
                 return
-            one(data.draw(request_strategy(state, ops)))
+            one(fr)
             between()
         step()
+    stop.set()
+    for w in workers:
+        w.join(FUZZ_CONFIG["max_request_s"] + 60)
     report.wall_s = time.monotonic() - t0
     return report
 
@@ -1010,6 +1229,7 @@ def parse_args(argv=None):
     p.add_argument("--valid-every", type=int, default=50, help="a valid-client check every N requests")
     p.add_argument("--workdir", default="", help="logs of roscore and the server (default: a temporary folder)")
     p.add_argument("--out", default="", help="write the report as JSON here")
+    p.add_argument("--threads", type=int, default=2, help="clients fuzzing concurrently besides the main one")
     args = p.parse_args(argv)
     if args.requests <= 0 or args.valid_every < 0:
         p.error("--requests must be positive and --valid-every not negative")
@@ -1023,7 +1243,7 @@ def main(argv=None) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="fuzz_ops_")
     os.makedirs(workdir, exist_ok=True)
-    server = RosServer(None, workdir, threads=1, params=FUZZ_CONFIG)
+    server = RosServer(None, workdir, threads=2, params=FUZZ_CONFIG)
     try:
         transport = server.transport
 
@@ -1036,12 +1256,20 @@ def main(argv=None) -> int:
             except Exception:  # noqa: BLE001 - counted as a failed ping
                 return False
 
+        def load(model):
+            try:
+                return transport.call("load_model", LoadModelRequest(client_id="fuzz-load", model=model),
+                                      300).status == StatusCode.OK
+            except Exception:  # noqa: BLE001 - no registry weights to fuzz with then
+                return False
+
         def progress(r):
             print(f"[fuzz_ops] {r.requests} requests, {dict(r.by_status)}, valid {r.valid_passed}/"
                   f"{r.valid_checks}, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         report = run_fuzz(send, args.requests, seed=args.seed, valid_every=args.valid_every, ping=ping,
-                          watch=ProcessWatch(server.node.pid), progress=progress)
+                          watch=ProcessWatch(server.node.pid), progress=progress, load=load,
+                          threads=max(0, args.threads))
     finally:
         server.close()
     print(report.table())
