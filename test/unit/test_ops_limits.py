@@ -303,3 +303,17 @@ def test_an_integer_argument_past_int64_is_a_bad_request(session):
                              "k": {"dtype": {"dtype": "bool"}, "pin_memory": None}}]})
     assert resp.status == StatusCode.BAD_REQUEST, (resp.status, resp.status_text)
     _still_usable(session)
+
+
+@pytest.mark.parametrize("op,args", [
+    # work hidden behind small tensors: a pooling window, composites of matrix products
+    ("aten::max_pool2d", lambda x: [h(x), {"l": [384, 384]}, {"l": [1, 1]}]),
+    ("aten::matmul", lambda x: [h(x), h(x)]),
+    ("aten::einsum", lambda x: ["bij,bjk->bik", {"l": [h(x), h(x)]}]),
+])
+def test_work_is_priced_by_what_the_operator_does_not_by_its_size(op, args):
+    server = _server(max_request_gflop=0.5)     # each of these is about 0.9 GFLOP or more
+    c = Client(server)
+    x = c.op("aten::zeros", {"l": [1, 768, 768]})
+    resp = c.send({"ops": [{"op": op, "a": {"l": args(x)}, "k": {}}]})
+    assert resp.status == StatusCode.TOO_LARGE and "max_request_gflop" in resp.status_text, resp.status_text

@@ -15,8 +15,8 @@ on the server: that is a fuzz finding like any other, never a crash.
 It also builds the requests aimed at the server's limits (:meth:`FitGen.special`): a
 session or a client holding more than ``max_session_mib`` / ``max_client_mib``, a request
 over ``max_request_gflop``, the same heavy request sent back to back (``client_gflop_per_s``),
-a request that runs past ``max_request_s`` (a max-pool with a huge kernel: cheap in the
-cost model, slow to run), registry weights named by digest and then written (refused), and
+a request whose work hides in a window (a max-pool with a huge kernel: priced by its
+window, so refused by ``max_request_gflop``, else it would run past ``max_request_s``), registry weights named by digest and then written (refused), and
 new identities past ``max_sandboxes``.
 
 Randomness comes from a ``random.Random`` the caller seeds (from a hypothesis draw in the
@@ -475,7 +475,7 @@ class FitGen:
             return {"define": {"id": sid, "n_inputs": 0, "ops": ops},
                     "replay": {"id": sid, "n": 3, "fetch": [[2, 0]] if rng.random() < 0.2 else []}}, [], \
                 (1 if kind == "gflop" else 3)
-        if kind == "slow":            # cheap in the cost model, seconds to run: max_request_s
+        if kind == "slow":            # seconds of work in a few elements: priced by its window
             ops = [{"op": "aten::rand.default", "a": {"l": [{"l": [1, 1, 768, 768]}]}, "k": {}},
                    {"op": "aten::max_pool2d.default",
                     "a": {"l": [{"t": {"o": [0, 0]}}, {"l": [384, 384]}, {"l": [1, 1]}]}, "k": {}}]

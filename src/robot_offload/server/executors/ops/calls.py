@@ -22,6 +22,7 @@ an upload named by digest are the server's, shared by every client (:func:`check
 from typing import Iterable, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from robot_offload.protocol import StatusCode
@@ -84,14 +85,62 @@ def check_writes(func, args, kwargs, protected: Iterable[int]) -> None:
 
 
 def _flops(func, meta_args, meta_kwargs, meta_out) -> int:
+    """Estimated floating-point operations of one operator on meta tensors: torch's
+    formula where it has one (matrix products, convolution, attention), a window's size
+    per output for pooling, else one per element read or written. An operator torch
+    implements by composing others (``conv2d``, ``linear``, ``einsum``, ``matmul``) is
+    decomposed on meta and its parts counted, so none hides its work behind its size."""
     formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
         try:
             return int(formula(*meta_args, **meta_kwargs, out_val=meta_out))
-        except Exception:  # noqa: BLE001 - a formula that cannot read these arguments: count elements
+        except Exception:  # noqa: BLE001 - a formula that cannot read these arguments
             pass
-    return sum(t.numel() for t in wire.leaves((meta_args, meta_kwargs, meta_out))
-               if isinstance(t, torch.Tensor))
+    elements = sum(t.numel() for t in wire.leaves((meta_args, meta_kwargs, meta_out))
+                   if isinstance(t, torch.Tensor))
+    name = func._schema.name.split("::")[-1]
+    if "pool" in name:
+        return max(elements, _pool_window(name, meta_args, meta_out))
+    if func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        counter = _Counter()
+        try:
+            with torch.inference_mode(), counter:
+                func.decompose(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001 - no decomposition on meta: count elements
+            return elements
+        return max(elements, counter.flops)
+    return elements
+
+
+def _pool_window(name, meta_args, meta_out) -> int:
+    """Elements read by a pooling operator: each output's window (the kernel, or for
+    adaptive pooling the whole input spread over the outputs)."""
+    outs = [t for t in wire.leaves(meta_out) if isinstance(t, torch.Tensor)]
+    if not outs or not meta_args or not isinstance(meta_args[0], torch.Tensor):
+        return 0
+    if name.startswith(("adaptive", "_adaptive")):
+        return 2 * meta_args[0].numel() + outs[0].numel()
+    kernel = meta_args[1] if len(meta_args) > 1 else None
+    if isinstance(kernel, int):
+        kernel = [kernel]
+    area = 1
+    for k in kernel or ():
+        area *= max(int(k), 1)
+    return outs[0].numel() * area
+
+
+class _Counter(TorchDispatchMode):
+    """Counts :func:`_flops` of the operators a decomposition runs on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.flops += _flops(func, args, kwargs, out)
+        return out
 
 
 def estimate(func, args, kwargs) -> Tuple[int, int, bool]:
