@@ -12,6 +12,7 @@ from torch import nn
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
+ap.add_argument("--frames", type=int, default=1, help="frames per phase (load, half/float, fused)")
 args = ap.parse_args()
 
 torch.manual_seed(0)
@@ -36,11 +37,18 @@ for m in model.modules():      # statistics as after training
 model.eval()
 x = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 outs = []
+
+
+def run():
+    for _ in range(args.frames):
+        outs.append(model(x).numpy().copy())
+
+
 with torch.no_grad():
-    outs.append(model(x).numpy().copy())
+    run()
     model.half()
     model.float()                          # weights now rounded to float16
-    outs.append(model(x).numpy().copy())
+    run()
     for k, blk in enumerate(m for m in model.modules() if isinstance(m, Block)):
         conv, bn = blk.conv, blk.bn
         scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
@@ -52,8 +60,8 @@ with torch.no_grad():
             conv.weight = nn.Parameter(w)
         conv.bias = nn.Parameter(b)
         blk.bn = None
-    outs.append(model(x).numpy().copy())
+    run()
     model[-1].weight.data.mul_(0.5)        # an in-place write through .data
-    outs.append(model(x).numpy().copy())
+    run()
     print("outputs", [o.ravel()[:2] for o in outs])
 np.savez(args.out, out=np.stack(outs))
