@@ -16,4 +16,5 @@ setup(**generate_distutils_setup(packages=[
     "robot_offload.server",
     "robot_offload.server.executors",
     "robot_offload.server.executors.ops",
+    "robot_offload.server.fuzz",
 ], package_dir={"": "src"}))

@@ -1,5 +1,5 @@
 """The ``ops`` entry of a real offload_server node (server.launch, its own sandbox
-processes) under generated adversarial requests (robot_offload.server.fuzz_ops) over the
+processes) under generated adversarial requests (robot_offload.server.fuzz) over the
 ROS compute service.
 
 Asserted: every request is answered with a known status, never INTERNAL and never an
@@ -11,7 +11,7 @@ plus ``max_client_mib`` (what one client's sessions may hold) plus
 :data:`SANDBOX_SLACK_MIB` (operators' temporary buffers, allocator caches), their sum
 within that times the sandboxes there were.
 
-The fuzz is mostly shape-aware (robot_offload.server.fuzz_shapes), with one concurrent
+The fuzz is mostly shape-aware (robot_offload.server.fuzz.shapes), with one concurrent
 fuzzing client and resnet18 loaded so that uploads name its weights by digest: asserted
 too, that a good share of the requests ran (OK), that writes into those weights were
 refused, and that the limits were reached (refusals past max_request_gflop, bytes and
@@ -19,18 +19,17 @@ compute budgets).
 
 ``ROBOT_OFFLOAD_FUZZ_REQUESTS`` sets the number of requests (default 3000, about two
 minutes on a loaded two-core machine; the full run is ``python -m
-robot_offload.server.fuzz_ops --requests 10000``) and ``ROBOT_OFFLOAD_FUZZ_SEED`` the seed.
+robot_offload.server.fuzz --requests 10000``) and ``ROBOT_OFFLOAD_FUZZ_SEED`` the seed.
 """
 
 import os
-import signal
 import time
 import xmlrpc.client
 
 import pytest
 
 from robot_offload.protocol import LoadModelRequest, PingRequest, StatusCode
-from robot_offload.server import fuzz_ops
+from robot_offload.server import fuzz as fuzz_ops
 
 N_REQUESTS = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_REQUESTS", "3000"))
 SEED = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_SEED", "0"))
@@ -79,7 +78,7 @@ def test_fuzzed_ops_requests_never_break_the_server(fuzz_server):
 
     # Baselines: the node after start and after loading the model whose weights uploads
     # name (its build imports torchvision), a sandbox after importing torch and serving a client.
-    from robot_offload.server import fuzz_shapes
+    from robot_offload.server.fuzz import shapes as fuzz_shapes
     assert load(fuzz_shapes.WEIGHTS_MODEL)
     warm = fuzz_ops.ValidClient(send, client_id="warm-up")
     assert warm.check(), warm.failures

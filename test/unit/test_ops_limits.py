@@ -243,7 +243,7 @@ def test_a_replay_cannot_write_the_servers_weights():
     torch.testing.assert_close(w.detach(), before, rtol=0, atol=0)
 
 
-# -- regressions from fuzzing (robot_offload.server.fuzz_ops): once INTERNAL ----------------
+# -- regressions from fuzzing (robot_offload.server.fuzz): once INTERNAL ----------------
 def _request(args, tensors=(), session="", client_id="t"):
     return ComputeRequest(client_id=client_id, model="", entry="ops", session=session, tensors=list(tensors),
                           args_json=json.dumps(args))

@@ -1,4 +1,4 @@
-"""Shape-aware requests for the ``ops`` fuzzer (:mod:`robot_offload.server.fuzz_ops`).
+"""Shape-aware requests for the ``ops`` fuzzer (:mod:`robot_offload.server.fuzz`).
 
 Arguments drawn type by type from an operator's schema almost never fit the tensors they
 are applied to, so most such requests stop at their first operator and the server's
