@@ -28,7 +28,7 @@ import xmlrpc.client
 
 import pytest
 
-from robot_offload.protocol import LoadModelRequest, PingRequest, StatusCode
+from robot_offload.protocol import StatusCode
 from robot_offload.server import fuzz as fuzz_ops
 
 N_REQUESTS = int(os.environ.get("ROBOT_OFFLOAD_FUZZ_REQUESTS", "3000"))
@@ -63,18 +63,7 @@ def test_fuzzed_ops_requests_never_break_the_server(fuzz_server):
     pid = _node_pid()
     watch = fuzz_ops.ProcessWatch(pid)
 
-    def send(req):
-        return transport.call("compute", req, cfg["max_request_s"] + 40)
-
-    def ping():
-        try:
-            return transport.call("ping", PingRequest(client_id="fuzz-ping"), 30).status == StatusCode.OK
-        except Exception:  # noqa: BLE001 - counted as a failed ping
-            return False
-
-    def load(model):
-        return transport.call("load_model", LoadModelRequest(client_id="fuzz-load", model=model),
-                              300).status == StatusCode.OK
+    send, ping, load = fuzz_ops.report.transport_calls(transport, cfg["max_request_s"] + 40)
 
     # Baselines: the node after start and after loading the model whose weights uploads
     # name (its build imports torchvision), a sandbox after importing torch and serving a client.

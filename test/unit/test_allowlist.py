@@ -25,7 +25,8 @@ from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
 
-from devices import SERVER_DEVICE, assert_same_as_local
+from devices import SERVER_DEVICE
+from test_transparent import _Net, assert_same_as_local
 
 #: The request that wrote outside a tensor's memory: a sparse view of an upload, its index
 #: tensor, that index overwritten with a huge value, and the dense tensor rebuilt from it.
@@ -326,15 +327,6 @@ def test_registry_models_need_no_robot_fallback(model_server, model):
 
 # -- the robot ----------------------------------------------------------------------------------
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Conv2d(3, 4, 3)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = torch.relu(self.a(x)).mean(dim=(2, 3))
-        return self.b(h)
 
 
 @pytest.mark.parametrize("mode", ["transparent", "record_replay"])

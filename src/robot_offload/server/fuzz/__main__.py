@@ -9,9 +9,8 @@ import tempfile
 import time
 
 
-from robot_offload.protocol import LoadModelRequest, PingRequest, StatusCode
-from robot_offload.server.fuzz.report import ProcessWatch
-from robot_offload.server.fuzz.report import run_fuzz
+from robot_offload.protocol import StatusCode
+from robot_offload.server.fuzz.report import ProcessWatch, run_fuzz, transport_calls
 from robot_offload.server.fuzz.state import FUZZ_CONFIG
 
 # -- command line ---------------------------------------------------------------------------------
@@ -40,21 +39,7 @@ def main(argv=None) -> int:
     try:
         transport = server.transport
 
-        def send(req):
-            return transport.call("compute", req, FUZZ_CONFIG["max_request_s"] + 40)
-
-        def ping():
-            try:
-                return transport.call("ping", PingRequest(client_id="fuzz-ping"), 30).status == StatusCode.OK
-            except Exception:  # noqa: BLE001 - counted as a failed ping
-                return False
-
-        def load(model):
-            try:
-                return transport.call("load_model", LoadModelRequest(client_id="fuzz-load", model=model),
-                                      300).status == StatusCode.OK
-            except Exception:  # noqa: BLE001 - no registry weights to fuzz with then
-                return False
+        send, ping, load = transport_calls(transport, FUZZ_CONFIG["max_request_s"] + 40)
 
         def progress(r):
             print(f"[fuzz] {r.requests} requests, {dict(r.by_status)}, valid {r.valid_passed}/"

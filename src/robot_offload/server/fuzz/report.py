@@ -9,12 +9,9 @@ from typing import Callable, Dict, List, Optional
 
 
 from robot_offload.protocol import ComputeResponse, StatusCode
-from robot_offload.server.fuzz.requests import FuzzRequest
-from robot_offload.server.fuzz.requests import make_request
-from robot_offload.server.fuzz.requests import request_strategy
-from robot_offload.server.fuzz.state import FUZZ_CONFIG
-from robot_offload.server.fuzz.state import FuzzState
-from robot_offload.server.fuzz.state import catalog
+from robot_offload.protocol import LoadModelRequest, PingRequest
+from robot_offload.server.fuzz.requests import FuzzRequest, make_request, request_strategy
+from robot_offload.server.fuzz.state import FUZZ_CONFIG, FuzzState, catalog
 from robot_offload.server.fuzz.valid_client import ValidClient
 
 # -- watching the server's processes -------------------------------------------------------------
@@ -329,3 +326,23 @@ def run_fuzz(send: Callable, n_requests: int, seed: int = 0, valid_every: int = 
     return report
 
 
+def transport_calls(transport, timeout_s: float) -> tuple:
+    """``(send, ping, load)`` over a transport, as :func:`run_fuzz` takes them: ``send``
+    waits ``timeout_s``; a ping that raises counts as failed, a model that cannot be loaded
+    leaves the fuzz without registry weights."""
+    def send(req):
+        return transport.call("compute", req, timeout_s)
+
+    def ping():
+        try:
+            return transport.call("ping", PingRequest(client_id="fuzz-ping"), 30).status == StatusCode.OK
+        except Exception:  # noqa: BLE001 - counted as a failed ping
+            return False
+
+    def load(model):
+        try:
+            return transport.call("load_model", LoadModelRequest(client_id="fuzz-load", model=model),
+                                  300).status == StatusCode.OK
+        except Exception:  # noqa: BLE001 - no registry weights to fuzz with then
+            return False
+    return send, ping, load
