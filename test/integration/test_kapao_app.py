@@ -51,7 +51,8 @@ def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
     from test_kapao_repo import REPO, make_weights
     weights = make_weights(str(tmp_path / "kapao_w.pt"))
     launch.start("kapao_people_tracking.launch", f"kapao_repo:={os.path.abspath(REPO)}",
-                 f"kapao_weights:={weights}", "kapao_imgsz:=128", "rate_hz:=4", "timeout_s:=10.0")
+                 f"kapao_weights:={weights}", "trust_checkpoint:=true", "kapao_imgsz:=128", "rate_hz:=4",
+                 "timeout_s:=10.0")
     stats, people = [], []
     subs = [rospy.Subscriber("/kapao_repo/stats", InferenceStats, stats.append, queue_size=50),
             rospy.Subscriber("/person_tracker/people", People, people.append, queue_size=50)]
