@@ -5,6 +5,7 @@ sees them; a record_replay session through the sandbox returns what local return
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -119,3 +120,21 @@ def test_offloading_through_the_sandbox_equals_local(server, mode):
     assert sess.stats.round_trips > 0 and sess.session_id
     if mode == "record_replay":
         assert sess.stats.inferences[-1].round_trips <= 2
+
+
+def test_workers_work_under_a_process_wide_socket_timeout():
+    """rospy sets socket.setdefaulttimeout(): the socket pair is then made non-blocking,
+    and a worker that inherited its end as if blocking failed its first read."""
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)
+    try:
+        s = OffloadServer(ServerConfig(device="cpu", max_request_s=20.0))
+        try:
+            c = Client(s, "robot_a")
+            x = c.op("aten::full", {"l": [3]}, 1.5)
+            time.sleep(0.5)                       # the worker waits for the next request
+            torch.testing.assert_close(c.fetch(x), torch.full((3,), 1.5))
+        finally:
+            s.close()
+    finally:
+        socket.setdefaulttimeout(old)

@@ -25,8 +25,10 @@ loaded (same registry, same weights files) the first time a digest is looked up.
 """
 
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import signal
 import socket
 import struct
@@ -127,13 +129,20 @@ def _recv(sock: socket.socket) -> bytes:
 class _Worker:
     def __init__(self, config_json: str):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Blocking, whatever socket.setdefaulttimeout() the process has (rospy sets one):
+        # the child inherits the descriptor's mode and reads it as a blocking socket.
+        child.setblocking(True)
         self.sock = parent
-        self.proc = subprocess.Popen([sys.executable, "-m", "robot_offload.server.sandbox_worker", str(child.fileno())],
-                                     stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
-                                     start_new_session=True)
+        # The child's end at a descriptor above stdin/stdout/stderr: a server started with
+        # a closed stdin would otherwise get descriptor 0, which the child's stdin replaces.
+        fd = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
         child.close()
-        self.proc.stdin.write(config_json.encode())
-        self.proc.stdin.close()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "robot_offload.server.sandbox_worker", str(fd)],
+                                         stdin=subprocess.DEVNULL, pass_fds=(fd,), start_new_session=True)
+        finally:
+            os.close(fd)
+        _send(self.sock, config_json.encode())       # the worker's configuration, first
         self.lock = threading.Lock()
         self.used = time.monotonic()
         self.ready = False
@@ -298,7 +307,7 @@ class SandboxedOps(Executor):
 
 
 # -- the worker --------------------------------------------------------------------------------
-def _serve(fd: int, config: dict) -> None:
+def _serve(sock: socket.socket, config: dict) -> None:
     from robot_offload.server.config import ServerConfig
     from robot_offload.server.core import OffloadServer
 
@@ -316,7 +325,6 @@ def _serve(fd: int, config: dict) -> None:
                 continue
         return out
     ops.models_for_index = models_for_index
-    sock = socket.socket(fileno=fd)
     _send(sock, pack({"ready": True}, []))
     while True:
         try:
@@ -334,8 +342,10 @@ def _serve(fd: int, config: dict) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fd = int(argv[0])
-    config = json.loads(sys.stdin.read())
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    config = json.loads(_recv(sock))
     logging.basicConfig(level=logging.WARNING, format="[ops sandbox %(process)d] %(levelname)s %(message)s")
-    _serve(fd, config)
+    _serve(sock, config)
     return 0
 
