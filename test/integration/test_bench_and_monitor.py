@@ -1,4 +1,4 @@
-"""Issue 3 on the real testbed with the real nodes: the bandwidth monitor follows a rate
+"""The real testbed with the real nodes: the bandwidth monitor follows a rate
 change within 1 s, power samples and energy per inference reach the stats, and the
 benchmark's --quick profile produces its table, CSV and plots."""
 
