@@ -483,7 +483,7 @@ class FitGen:
         if kind == "weights":         # registry weights by digest, then read and written
             picks = rng.sample(self.weights, min(len(self.weights), rng.randint(1, 3)))
             args = {"uploads": [{"sha": d} for d, _, _ in picks]}
-            shape, dtype = picks[0][1], picks[0][2]
+            dtype = picks[0][2]
             opname, how = rng.choice(WRITES)
             a = [{"t": {"u": 0}}]
             if how == 2:

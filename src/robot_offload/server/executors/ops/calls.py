@@ -75,10 +75,10 @@ def written_tensors(func, args, kwargs) -> list:
     return out
 
 
-def check_writes(func, args, kwargs, protected: Iterable[int]) -> None:
-    """Refuse an operator that writes into a storage in ``protected`` (the server's
-    registry weights)."""
-    for t in written_tensors(func, args, kwargs):
+def check_writes(func, written: list, protected: Iterable[int]) -> None:
+    """Refuse an operator whose ``written`` tensors (:func:`written_tensors`) share a
+    storage in ``protected`` (the server's registry weights)."""
+    for t in written:
         if storage_key(t) in protected:
             raise RequestRejected(StatusCode.UNAUTHORIZED, f"{wire.op_name(func)} would write into "
                                   "a weight the server shares with every client")
@@ -179,14 +179,15 @@ def meta_cost(func, meta_args, meta_kwargs):
     return out, new, _flops(func, meta_args, meta_kwargs, out)
 
 
-def zero_uninitialised(func, out, args, kwargs, old_sizes: dict) -> None:
+def zero_uninitialised(func, out, written: list, old_sizes: dict) -> None:
     """Zero what an operator returned without writing it (see :data:`UNINITIALISED`);
-    ``old_sizes`` maps the written arguments' storage keys to their bytes before."""
+    ``written`` are the arguments it writes (:func:`written_tensors`), ``old_sizes`` maps
+    their storage keys to their bytes before."""
     name = func._schema.name.split("::")[-1]
     if name not in UNINITIALISED:
         return
     if name.startswith("resize"):
-        for t in written_tensors(func, args, kwargs):
+        for t in written:
             storage = t.untyped_storage()
             old = old_sizes.get(storage_key(t), 0)
             if storage.nbytes() > old:

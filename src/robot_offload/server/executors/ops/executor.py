@@ -75,13 +75,17 @@ class _Run:
         sessions), ``flops`` more in this request (and the client's budget)."""
         cfg = self.server.config
         if new_bytes > 0:
-            self.sess.check_budget(new_bytes, self.ops.store.client_bytes(self.identity),
-                                   cfg.max_client_mib * 2 ** 20)
+            self.check_bytes(new_bytes)
         self.flops += flops
         if self.flops > cfg.max_request_gflop * 1e9:
             raise RequestRejected(StatusCode.TOO_LARGE, f"the request would take over "
                                   f"{cfg.max_request_gflop} GFLOP (max_request_gflop)")
         self.ops.spend(self.identity, flops)
+
+    def check_bytes(self, extra: int) -> None:
+        """Refuse ``extra`` more bytes past the session's or the client's budget."""
+        self.sess.check_budget(extra, self.ops.store.client_bytes(self.identity),
+                               self.server.config.max_client_mib * 2 ** 20)
 
     # -- references ------------------------------------------------------------------
     def _direct(self, ref):
@@ -117,19 +121,17 @@ class _Run:
         first (unless ``costed``: a replay costed it ahead), refused if it writes the
         server's weights, its uninitialised memory zeroed and its in-place growth
         accounted after. ``timed=False``: the caller times it."""
-        calls.check_writes(func, args, kwargs, self.ops.store.shared_keys)
+        written = calls.written_tensors(func, args, kwargs)
+        calls.check_writes(func, written, self.ops.store.shared_keys)
         new_bytes, flops, exact = (0, 0, True) if costed else calls.estimate(func, args, kwargs)
         self.charge(new_bytes, flops)
-        written = calls.written_tensors(func, args, kwargs)
         old_sizes = {calls.storage_key(t): t.untyped_storage().nbytes() for t in written}
         out = self.invoke(func, args, kwargs) if timed else func(*args, **kwargs)
-        calls.zero_uninitialised(func, out, args, kwargs, old_sizes)
+        calls.zero_uninitialised(func, out, written, old_sizes)
         for t in written:
             self.sess.regrow(t)
         if not exact:
-            actual = sum(_nbytes(t) for t in wire.leaves(out) if isinstance(t, torch.Tensor))
-            self.sess.check_budget(actual, self.ops.store.client_bytes(self.identity),
-                                   self.server.config.max_client_mib * 2 ** 20)
+            self.check_bytes(sum(_nbytes(t) for t in wire.leaves(out) if isinstance(t, torch.Tensor)))
         return out
 
     def invoke(self, func, args, kwargs):
@@ -294,15 +296,14 @@ class OpsExecutor(Executor):
         shared = self.store.shared_keys
         new_storages = {calls.storage_key(t): t.untyped_storage().nbytes() for t in uploads
                         if calls.storage_key(t) not in shared and calls.storage_key(t) not in sess.storages}
-        sess.check_budget(sum(new_storages.values()), self.store.client_bytes(identity),
-                          server.config.max_client_mib * 2 ** 20)
+        run = _Run(self, sess, uploads, identity)
+        run.check_bytes(sum(new_storages.values()))
         result["uploaded"] = []
         for spec, t in zip(args.get("uploads", []), uploads):
             h = sess.put(t, shared)
             if spec.get("sha"):
                 sess.by_digest[spec["sha"]] = h
             result["uploaded"].append(h)
-        run = _Run(self, sess, uploads, identity)
         if "define" in args:
             _define(sess, args["define"], server.device)
         fetched: List[torch.Tensor] = []
