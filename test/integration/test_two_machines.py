@@ -72,7 +72,7 @@ class Guide:
         self.exports = {side: [self.sub(c) for c, t in exports if t in ("both", tag)]
                         for tag, side in SIDES.items()}
         assert all(self.exports.values()), f"step 1 should tag its exports by side: {exports}"
-        self.n = 0
+        self.procs = []   # step 3's processes, whose logs a failure shows
 
     def sub(self, cmd):
         for old, new in SUBSTITUTE:
@@ -86,11 +86,12 @@ class Guide:
 
     def start(self, side, cmd):
         """A long-running command of step 3, its output to a log file."""
-        self.n += 1
-        log = open(self.tmp / f"{self.n}-{side}-{cmd.split()[0]}.log", "w")
+        log = open(self.tmp / f"{len(self.procs)}-{side}-{cmd.split()[0]}.log", "w")
         proc = self.tb.run(side, ["bash", "-c", self.script(side, cmd)], env=self.env(),
                            stdout=log, stderr=subprocess.STDOUT)
+        log.close()   # the child has its own descriptor
         proc.log_path = log.name
+        self.procs.append(proc)
         return proc
 
     def run(self, side, cmd, timeout_s=60):
@@ -115,7 +116,7 @@ class Guide:
             if time.monotonic() > deadline:
                 pytest.fail(f"{what}: `{cmd}` on the {side} side gave (exit {rc}):\n{out[-2000:]}"
                             + "".join(f"\n--- {p.log_path}:\n" + open(p.log_path).read()[-2000:]
-                                      for p in getattr(self, "procs", [])))
+                                      for p in self.procs))
             time.sleep(1.0)
 
 
@@ -127,7 +128,6 @@ def test_the_guide_runs_robot_and_gpu_pc_in_two_namespaces(tmp_path):
     with Testbed(fallback=False) as tb:
         g = Guide(tb, tmp_path)
         # step 3, in the guide's order; the next side starts once the master answers
-        g.procs = []
         starts = [(c, t) for c, t in g.lines if c.startswith(("roscore", "roslaunch"))]
         assert [c.split()[0] for c, _ in starts][0] == "roscore", starts
         for cmd, tag in starts:
@@ -135,7 +135,7 @@ def test_the_guide_runs_robot_and_gpu_pc_in_two_namespaces(tmp_path):
             cmd = g.sub(cmd).rstrip(" &")
             if "robot.launch" in cmd:
                 cmd += ROBOT_EXTRA
-            g.procs.append(g.start(SIDES[tag], cmd))
+            g.start(SIDES[tag], cmd)
             if cmd.startswith("roscore"):
                 for side in SIDES.values():   # the master is reachable from both sides
                     g.until(side, "rostopic list", lambda out: "/rosout" in out, 60,
