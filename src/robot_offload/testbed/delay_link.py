@@ -115,7 +115,7 @@ def open_tun(name):
     """A non-blocking fd for a new TUN device ``name`` (raw IP packets, no header)."""
     if not name or len(name) > 15:
         raise ValueError(f"interface names are 1-15 characters, got {name!r}")
-    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)  # novm: flags, not a union type
     try:
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
     except OSError:
