@@ -247,7 +247,7 @@ def test_a_compiled_value_list_takes_no_tensor_for_a_number():
     """A list argument recorded as [2, 2] matches [2, 2] by its compiled check; a tensor
     equal to 2 in its place (list equality would take it) and a tuple go to the generic
     match, which decides them."""
-    from robot_offload.transparent.session import _compile_arg
+    from robot_offload.transparent.replay import _compile_arg
     sess = _session()
     kind, want = _compile_arg({"l": [2, 2]})
     assert sess._compiled_arg(None, kind, want, [2, 2])
@@ -260,17 +260,17 @@ def test_a_fresh_frame_each_replay_is_not_digested_every_time(monkeypatch):
     """The content digest of a sequence input (for inputs that repeat, like RetinaNet's
     anchors) comes before the early replay can leave; an input that changed in
     VOLATILE_AFTER replays in a row is digested only every VOLATILE_RECHECK replays."""
-    from robot_offload.transparent import session as session_mod
+    from robot_offload.transparent import replay_requests, uploads
     digested = []
 
     def counting_digest(t):
         digested.append(tuple(t.shape))
         return content_digest(t)
-    monkeypatch.setattr(session_mod, "content_digest", counting_digest)
+    monkeypatch.setattr(uploads, "content_digest", counting_digest)
     torch.manual_seed(0)
     net = _Net().eval()
     sess = _session()
-    frames = 3 + session_mod.VOLATILE_AFTER + session_mod.VOLATILE_RECHECK
+    frames = 3 + replay_requests.VOLATILE_AFTER + replay_requests.VOLATILE_RECHECK
     with torch.no_grad():
         for i in range(frames):
             x = torch.randn(1, 3, 8, 8)
@@ -280,9 +280,9 @@ def test_a_fresh_frame_each_replay_is_not_digested_every_time(monkeypatch):
             assert_same_as_local(y, ref)
     replays = sess.stats.replays
     frame_digests = digested.count((1, 3, 8, 8))
-    assert replays >= session_mod.VOLATILE_AFTER + session_mod.VOLATILE_RECHECK - 1
+    assert replays >= replay_requests.VOLATILE_AFTER + replay_requests.VOLATILE_RECHECK - 1
     # digested while it might still repeat, then at one recheck, not at every replay
-    assert frame_digests <= session_mod.VOLATILE_AFTER + 2 < replays, (frame_digests, replays)
+    assert frame_digests <= replay_requests.VOLATILE_AFTER + 2 < replays, (frame_digests, replays)
 
 
 class _PoolNet(nn.Module):
@@ -298,7 +298,7 @@ class _PoolNet(nn.Module):
 @pytest.mark.parametrize("early_replay", [True, False])
 def test_a_call_that_fails_its_compiled_check_diverges_and_stays_correct(early_replay):
     """The robot checks most replayed calls by the check compiled for them
-    (session._compile_check). A call that differs there (another kernel size) must end
+    (replay._compile_check). A call that differs there (another kernel size) must end
     the speculation like any divergence, never be answered with the recorded shape."""
     torch.manual_seed(0)
     net = _PoolNet().eval()
@@ -417,7 +417,7 @@ def test_dropped_proxies_are_freed_without_the_garbage_collector():
     server's tensors are released at once, and an early replay's check of what the
     program holds is not fooled by garbage."""
     import gc
-    from robot_offload.transparent.session import RemoteTensor
+    from robot_offload.transparent.proxy import RemoteTensor
     torch.manual_seed(0)
     net = _Net().eval()
     sess = _session()

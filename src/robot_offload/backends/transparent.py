@@ -38,36 +38,25 @@ class _OperatorBackend(Backend):
         t0 = time.perf_counter()
         sess.deadline = t0 + timeout_s
         sess.frame_stats = stats
-        n_before = len(sess.stats.inferences)
-        div_before = sess.stats.divergences
         calls_before = stats.transfer_s + stats.server_compute_s
-        try:
-            with torch.inference_mode(), sess:
-                y = self.ctx.model(x)
-            y = sess.materialize_tree(y)
-        except (TransportError, RemoteError):
-            sess.reset()
-            raise
-        except OffloadError as e:
-            sess.reset()
-            raise RemoteError(StatusCode.INTERNAL, str(e)) from e
-        finally:
-            sess.deadline = None
-            sess.frame_stats = None
-        t1 = time.perf_counter()
-        if len(sess.stats.inferences) > n_before:
-            sess.stats.inferences[-1].mark("outputs_ms")
-        in_calls = stats.transfer_s + stats.server_compute_s - calls_before
-        stats.add_compute(t0, t0 + max(0.0, (t1 - t0) - in_calls))
-        stats.phase = sess.frame_phase(n_before, div_before)
+        with sess.frame(stats):
+            try:
+                with torch.inference_mode(), sess:
+                    y = self.ctx.model(x)
+                y = sess.materialize_tree(y)
+            except (TransportError, RemoteError):
+                sess.reset()
+                raise
+            except OffloadError as e:
+                sess.reset()
+                raise RemoteError(StatusCode.INTERNAL, str(e)) from e
+            finally:
+                sess.deadline = None
+                sess.frame_stats = None
+            t1 = time.perf_counter()
+            in_calls = stats.transfer_s + stats.server_compute_s - calls_before
+            stats.add_compute(t0, t0 + max(0.0, (t1 - t0) - in_calls))
         stats.plan = f"{self.name}:{stats.phase}"
-        stats.extra["transparent"] = {"divergences_total": sess.stats.divergences,
-                                      "sequences_identified": sess.stats.sequences_identified,
-                                      "ops_replayed_total": sess.stats.ops_replayed,
-                                      "not_static": sess.not_static}
-        timeline = sess.stats.inferences[-1].timeline() if len(sess.stats.inferences) > n_before else None
-        if timeline:
-            stats.extra["transparent"]["timeline_ms"] = timeline
         return y
 
     def close(self):

@@ -11,6 +11,7 @@ past it the frame finishes on the robot), ``~conf_thres``, ``~conf_thres_kp``,
 depth, projection and the Kalman filter) and ``~stats`` (InferenceStats).
 """
 
+import contextlib
 import time
 
 import rospy
@@ -67,17 +68,14 @@ class KapaoRepoNode:
         session = self.sessions.get(mode)
         stats = FrameStats(mode=mode, model="kapao_repo")
         t0 = time.perf_counter()
-        n_before = len(session.stats.inferences) if session else 0
-        div_before = session.stats.divergences if session else 0
         losses = session.stats.server_losses if session else 0
-        poses, stats = self.runner(image, session=session, stats=stats)
+        with session.frame(stats) if session is not None else contextlib.nullcontext():
+            poses, stats = self.runner(image, session=session, stats=stats)
         stats.processing_s = time.perf_counter() - t0
         stats.executed_mode = mode
         if session is not None:
             if session.stats.server_losses > losses or session.down.is_set():
                 stats.executed_mode, stats.fallback_reason = "local", session.last_error
-            stats.extra["transparent"] = {"divergences_total": session.stats.divergences}
-            stats.phase = session.frame_phase(n_before, div_before)
         people = People(header=msg.header, target_index=-1, track_status="none")
         for p in poses:
             kp = p.keypoints

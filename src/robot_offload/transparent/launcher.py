@@ -5,9 +5,9 @@
     python -m robot_offload.transparent --inproc -- python my_app.py     (no ROS: in-process server)
 
 The program runs in this interpreter (``runpy``), as ``__main__``, with its own
-``sys.argv``, while a :class:`~robot_offload.transparent.session.Interceptor` is active on
+``sys.argv``, while a :class:`~robot_offload.transparent.proxy.Interceptor` is active on
 the main thread and on every thread the program starts
-(:func:`~robot_offload.transparent.session.follow_threads`): nothing in the program
+(:func:`~robot_offload.transparent.threads.follow_threads`): nothing in the program
 changes. The ROS transport calls the offload
 server's services without initialising a node, so a program that is itself a ROS node
 calls ``rospy.init_node`` as usual.
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from robot_offload.transparent.session import MODES, RemoteSession, follow_threads
+from robot_offload.transparent.session import MODES, RemoteSession
+from robot_offload.transparent.threads import follow_threads
 
 PYTHONS = ("python", "python3", os.path.basename(sys.executable))
 

@@ -66,9 +66,9 @@ class Sequence:
     # Content digest of each fresh robot input in the last replay (None: too large, or a
     # proxy): an input whose digest repeats is predicted by the next early replay.
     input_digests: Dict[int, Optional[str]] = field(default_factory=dict)
-    # Replays in a row in which each fresh input's content changed (session._input_ref).
+    # Replays in a row in which each fresh input's content changed (replay_requests._input_ref).
     input_changes: Dict[int, int] = field(default_factory=dict)
-    # The robot's compiled check of each call (session._compile_check; None: the generic
+    # The robot's compiled check of each call (replay._compile_check; None: the generic
     # match), built at the first replay.
     robot_checks: Optional[list] = field(default=None, repr=False)
     # The newest recording's own returns, where ``rets`` holds size symbols (Recorder.unify).

@@ -15,6 +15,7 @@ unknown form is refused with :class:`WireError`.
 """
 
 import hashlib
+import json
 import math
 import re
 from typing import Callable
@@ -266,3 +267,44 @@ def tensor_leaves(args, kwargs) -> list:
     """The tensors of an operator call, depth first, positional then keyword arguments in
     their order: how an in-place or pass-through result names the input it returns."""
     return [v for v in leaves((list(args), list(kwargs.values()))) if isinstance(v, torch.Tensor)]
+
+
+def request_json(body: dict) -> str:
+    """The ``args_json`` of an ``ops`` request."""
+    return json.dumps(body)
+
+
+def reply_json(text: str) -> dict:
+    """The ``result_json`` of an ``ops`` reply (``{}`` when empty)."""
+    return json.loads(text or "{}")
+
+
+def same_shapes(actual, recorded) -> bool:
+    """Whether two return trees hold tensors of the same shapes and dtypes, in order."""
+    def shapes(tree):
+        return [(m.get("s"), m.get("d")) for m in metas_in(tree)]
+    return shapes(actual) == shapes(recorded)
+
+
+def single_new_tensor(ret):
+    """The meta of a return tree that is one new tensor (not one of the call's inputs), or
+    None (any other return: the generic decoding)."""
+    if type(ret) is dict and len(ret) == 1:
+        meta = ret.get("t")
+        if meta is not None and "a" not in meta:
+            return meta
+    return None
+
+
+def metas_in(tree) -> list:
+    """The tensor metas of a return tree, depth first (a loop: a recursive closure
+    would keep the tree alive until the garbage collector runs)."""
+    out = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) and len(node) == 1 and "t" in node:
+            out.append(node["t"])
+        elif isinstance(node, dict) and len(node) == 1 and "l" in node:
+            stack.extend(reversed(node["l"]))
+    return out

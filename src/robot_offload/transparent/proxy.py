@@ -1,0 +1,129 @@
+"""Proxies of server tensors and the hooks that keep them out of the program's weights.
+
+A :class:`RemoteTensor` stands in for a tensor the server holds: shape, strides and dtype,
+no storage; the few Tensor methods that need values download them. :class:`Interceptor`
+routes every aten operator of a thread to its session. :func:`_install_hooks` keeps
+``nn.Parameter`` data in robot memory and makes ``.data =`` visible to the upload cache.
+"""
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from robot_offload.transparent import wire
+
+if TYPE_CHECKING:
+    from robot_offload.transparent.session import RemoteSession
+
+
+#: Tensor methods that need the values on the robot.
+_MATERIALIZING = frozenset({"numpy", "tolist", "__array__", "__repr__", "__format__", "cpu",
+                            "__reduce_ex__", "data_ptr", "untyped_storage", "storage",
+                            "__dlpack__", "pin_memory", "__deepcopy__"})
+
+
+class RemoteTensor(torch.Tensor):
+    """Stands in for a tensor on the server: metadata only; values on demand."""
+
+    @staticmethod
+    def __new__(cls, session, meta: dict, handle=None):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta["s"], strides=meta["st"], storage_offset=meta.get("o", 0),
+            dtype=wire.meta_dtype(meta["d"]), device="cpu", requires_grad=False)
+        t._session = session
+        t._cell = [handle, session._generation]   # server handle (filled later for replayed
+        t._recipe = None              # outputs) and the session generation it belongs to
+        t._pending = None             # (speculation, j, k) while only the record knows it
+        t._origin = None              # (speculation, j, k) of a replayed output, for matching
+        t._value = None               # downloaded values (a plain tensor)
+        t._meta = meta
+        weakref.finalize(t, session._forget, t._cell)
+        return t
+
+    @property
+    def handle(self):
+        return self._cell[0]
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self._session.materialize(self))
+
+    # No Python __torch_function__: torch then treats a proxy as a plain tensor until the
+    # dispatcher, which calls __torch_dispatch__. A Python one ran for every operator and
+    # every .shape on a proxy, about a sixth of the robot's time in a replayed frame; the
+    # few methods that need the values on the robot are overridden below instead.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for a in args:          # usually a positional argument: no walk of the whole tree
+            if type(a) is RemoteTensor:
+                return a._session.dispatch(func, args, kwargs or {})
+        sess = next(a._session for a in wire.leaves((args, kwargs or {})) if isinstance(a, RemoteTensor))
+        return sess.dispatch(func, args, kwargs or {})
+
+
+def _materializing(name: str):
+    """A Tensor method that reads values: run on the proxy's values, on the robot."""
+    def method(self, *args, **kwargs):
+        return getattr(self._session.materialize(self), name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in _MATERIALIZING - {"__repr__"}:
+    setattr(RemoteTensor, _name, _materializing(_name))
+
+
+del _name
+
+
+class Interceptor(TorchDispatchMode):
+    """While active, the session sees every aten operator of this thread."""
+
+    def __init__(self, session: "RemoteSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.session.dispatch(func, args, kwargs or {})
+
+
+_HOOKS_INSTALLED = False
+
+
+def _install_hooks() -> None:
+    """Keep ``nn.Parameter`` data on the robot and make ``.data =`` visible to the upload
+    cache. A module conversion (``model.half()``) computes each new weight with an
+    operator that reads a weight, which runs on the server, and stores the result with
+    ``param.data = new``; a fusion (``conv.weight = nn.Parameter(w * scale)``) wraps one.
+    A weight must hold robot memory (the program reads and writes it), so a proxy
+    stored there is downloaded first. ``.data =`` keeps the version counter: the
+    assignment also counts in ``_ro_data_epoch`` (see UploadsMixin._stamp)."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    base_data = torch._C.TensorBase.data
+
+    def get_data(self):
+        return base_data.__get__(self)
+
+    def set_data(self, value):
+        if isinstance(value, RemoteTensor):
+            value = value._session.materialize(value)
+        base_data.__set__(self, value)
+        try:
+            self._ro_data_epoch = getattr(self, "_ro_data_epoch", 0) + 1
+        except AttributeError:
+            pass
+    torch.Tensor.data = property(get_data, set_data, doc=base_data.__doc__)
+
+    param_new = torch.nn.Parameter.__new__
+
+    def new_parameter(cls, data=None, requires_grad=True):
+        if isinstance(data, RemoteTensor):
+            data = data._session.materialize(data)
+        return param_new(cls, data, requires_grad)
+    torch.nn.Parameter.__new__ = staticmethod(new_parameter)
