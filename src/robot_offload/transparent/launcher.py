@@ -18,11 +18,14 @@ session's counters as JSON; then the program's exit status or exception is passe
 """
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
 import sys
+import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -40,7 +43,7 @@ def split_command(argv):
     return argv, []
 
 
-def run_program(command, session: RemoteSession) -> int:
+def run_program(command, session: Optional[RemoteSession]) -> int:
     """Run ``command`` (``[python] script.py args`` or ``[python] -m module args``) under
     interception; returns its exit status."""
     if command and command[0] in PYTHONS:
@@ -53,7 +56,10 @@ def run_program(command, session: RemoteSession) -> int:
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     status = 0
     try:
-        with session, follow_threads(session):
+        with contextlib.ExitStack() as interception:
+            if session is not None:
+                interception.enter_context(session)
+                interception.enter_context(follow_threads(session))
             if command[0] == "-m":
                 if len(command) < 2:
                     raise SystemExit("transparent: -m needs a module name")
@@ -75,8 +81,9 @@ def run_program(command, session: RemoteSession) -> int:
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="transparent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=MODES, default="record_replay",
-                    help="record_replay (RRTO, default) or transparent (one request per operator)")
+    ap.add_argument("--mode", choices=MODES + ("local",), default="record_replay",
+                    help="record_replay (RRTO, default), transparent (one request per operator) or "
+                         "local (the program as it is, nothing intercepted: the reference to compare with)")
     ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
     ap.add_argument("--inproc", action="store_true", help="run the server in this process (no ROS; for tests)")
     ap.add_argument("--inproc-device", default="cpu",
@@ -96,13 +103,25 @@ def main(argv=None, make_call=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, command = split_command(argv)
     args = make_parser().parse_args(options)
+    if args.mode == "local":
+        t0 = time.perf_counter()
+        try:
+            return run_program(command, None)
+        finally:
+            print(f"[transparent] mode=local wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
     call, close = (make_call or _default_call)(args)
     session = RemoteSession(call, mode=args.mode, timeout_s=args.timeout_s, local_fallback=True,
                             retry_interval_s=args.retry_interval_s)
     t0 = time.perf_counter()
+    stop = threading.Event()
+    if args.stats_out:
+        # Also while the program runs: a node stopped by roslaunch may be killed mid-frame.
+        threading.Thread(target=_write_stats_every, args=(args, session, stop, STATS_EVERY_S),
+                         daemon=True, name="transparent-stats").start()
     try:
         return run_program(command, session)
     finally:
+        stop.set()
         # also when the program raised: what ran until then is reported, then the
         # exception goes on
         try:
@@ -120,8 +139,27 @@ def _report(args, session: RemoteSession, t0: float) -> None:
           f"server_losses={s.server_losses} "
           f"not_static={session.not_static} wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
     if args.stats_out:
-        with open(args.stats_out, "w") as f:
-            json.dump(dict(s.summary(), mode=args.mode, not_static=session.not_static), f, indent=1)
+        _write_stats(args, session)
+
+
+#: How often --stats-out is rewritten while the program runs (s).
+STATS_EVERY_S = 2.0
+
+
+def _write_stats(args, session: RemoteSession) -> None:
+    """The session's counters as JSON in ``--stats-out``, replaced at once (never half a file)."""
+    tmp = args.stats_out + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(dict(session.stats.summary(), mode=args.mode, not_static=session.not_static), f, indent=1)
+    os.replace(tmp, args.stats_out)
+
+
+def _write_stats_every(args, session: RemoteSession, stop: threading.Event, period_s: float) -> None:
+    while not stop.wait(period_s):
+        try:
+            _write_stats(args, session)
+        except (OSError, RuntimeError, ValueError):    # a counter list changed under us: next time
+            pass
 
 
 def _default_call(args):

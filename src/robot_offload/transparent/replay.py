@@ -135,7 +135,7 @@ class ReplayMixin:
                 if r[0] == "op":
                     root = False
                 return r
-            h = None if reused_as_input and not isinstance(t, torch.nn.Parameter) else self._cached_handle(t)
+            h = None if reused_as_input and not isinstance(t, torch.nn.Parameter) else self._known_handle(t)
             return ("up", -1 if h is None else h, wire.tensor_meta(t))
         try:
             a = wire.encode(list(args), ref)
@@ -401,7 +401,7 @@ class ReplayMixin:
         if kind is _CONST:
             if type(a) is RemoteTensor:
                 return a._cell[0] == want and a._cell[1] == self._generation
-            return isinstance(a, torch.Tensor) and self._cached_handle(a) == want
+            return isinstance(a, torch.Tensor) and self._known_handle(a) == want
         if kind is _LIST:
             return type(a) in (list, tuple) and len(a) == len(want) and all(
                 self._compiled_arg(spec, k, w, v) for (k, w), v in zip(want, a))
@@ -431,7 +431,7 @@ class ReplayMixin:
                     if actual.handle != val:
                         raise Mismatch(f"operator {j}: another remote tensor than the recorded constant")
                     return
-                if self._cached_handle(actual) != val:
+                if self._known_handle(actual) != val:
                     raise Mismatch(f"operator {j}: a constant (weight) changed or was replaced")
                 return
             if kind == "i":

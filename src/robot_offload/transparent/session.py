@@ -147,6 +147,12 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         # the server (stable inputs, see _input_ref)
         self._stable: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._releases: List[int] = []
+        # Weights by content (see UploadsMixin._weight_handle): what makes two robot weights
+        # one server tensor -> its handle; handle -> live robot weights using it; handles
+        # of weights no robot tensor uses any more, kept (bytes) for a model built again.
+        self._weight_handles: Dict[tuple, int] = {}
+        self._handle_users: Dict[int, int] = {}
+        self._dropped_weights: "OrderedDict[int, int]" = OrderedDict()
         self._spec: Optional[_Speculation] = None
         self._defined = set()
         self.recorder = Recorder()

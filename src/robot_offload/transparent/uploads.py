@@ -5,6 +5,13 @@ unchanged: weights (and the session's private copies) by identity, version count
 storage, the writes the session saw and ``.data`` assignments; any other robot tensor
 only while its bytes equal those uploaded (a copy or a digest of them is kept). Big
 weights are offered by content digest first (see ``RemoteCallsMixin._send``).
+
+Weights are also known by content: a weight whose bytes equal those of a weight already on
+the server -- a model built again every loop, the same checkpoint loaded twice -- uses that
+server tensor (and so does its view, ``weight.t()``) without an upload. The program's
+operator sequence then reads the same server tensors every loop and is recognised and
+replayed. The server copy of a weight the program has dropped stays until
+DROPPED_WEIGHTS_KEEP_BYTES of newer dropped weights push it out.
 """
 
 import weakref
@@ -21,6 +28,8 @@ DIGEST_MIN_BYTES = 64 * 1024
 #: A robot tensor other than a weight is used again on the server only while its bytes are
 #: those uploaded: up to this size a copy of them is kept and compared, beyond it a digest.
 SNAPSHOT_MAX_BYTES = 16 * 1024 * 1024
+#: Bytes of dropped weights whose server copies are kept for a model built again.
+DROPPED_WEIGHTS_KEEP_BYTES = 256 * 1024 * 1024
 
 
 class UploadsMixin:
@@ -71,7 +80,7 @@ class UploadsMixin:
         return entry[2]
 
     def _upload_ref(self, t: torch.Tensor, uploads: list) -> dict:
-        h = self._cached_handle(t)
+        h = self._known_handle(t)
         if h is not None:
             return {"h": h}
         for i, (u, _) in enumerate(uploads):
@@ -81,10 +90,60 @@ class UploadsMixin:
         if owner is not t:
             # Upload the base once; the server makes the view (as_strided) without a copy.
             base_ref = self._upload_ref(owner, uploads)
+            h = self._weight_handle(t) if "h" in base_ref else None
+            if h is not None:
+                return {"h": h}
             uploads.append((t, {"of": base_ref, "view": [list(t.shape), list(t.stride()), key[3]]}))
         else:
             uploads.append((t, {}))
         return {"u": len(uploads) - 1}
+
+    def _known_handle(self, t: torch.Tensor) -> Optional[int]:
+        """The server handle that holds ``t``'s content without an upload: its own cached
+        upload, or, for a weight, one of the same content (:meth:`_weight_handle`)."""
+        h = self._cached_handle(t)
+        return h if h is not None else self._weight_handle(t)
+
+    def _weight_handle(self, t: torch.Tensor) -> Optional[int]:
+        """The handle of a server tensor holding what weight ``t`` holds (another robot
+        weight of the same bytes, alive or dropped and kept), now cached for ``t`` too;
+        None when there is none."""
+        shared_key = self._shared_key(t)
+        h = self._weight_handles.get(shared_key) if shared_key is not None else None
+        if h is None:
+            return None
+        self._dropped_weights.pop(h, None)    # used again
+        self._remember_upload(t, h, shared=True)
+        return h
+
+    def _shared_key(self, t: torch.Tensor) -> Optional[tuple]:
+        """What makes two robot weights one server tensor: a weight's content digest; for
+        a view of a weight (``weight.t()``), the handle of its base and its geometry. None
+        for anything else (not a weight, or a view of a weight not on the server)."""
+        key, owner = self._cache_key(t)
+        if not _trusted(owner):
+            return None
+        if owner is t:
+            return ("sha", self._digest(t))
+        base = self._uploaded.get((id(owner),))
+        if base is not None and base[0]() is owner:
+            base_h = base[2]
+        else:
+            base_h = self._weight_handles.get(("sha", self._digest(owner)))
+            if base_h is None:
+                return None
+        return ("view", base_h) + key[1:]
+
+    def _drop_weight(self, h: int, nbytes: int) -> None:
+        """The last robot weight using handle ``h`` is gone: keep its server copy for a model
+        built again, releasing the oldest dropped ones beyond DROPPED_WEIGHTS_KEEP_BYTES."""
+        self._dropped_weights[h] = nbytes
+        kept = sum(self._dropped_weights.values())
+        while kept > DROPPED_WEIGHTS_KEEP_BYTES or len(self._dropped_weights) > 4096:
+            old, old_bytes = self._dropped_weights.popitem(last=False)
+            kept -= old_bytes
+            self._weight_handles = {k: v for k, v in self._weight_handles.items() if v != old}
+            self._releases.append(old)
 
     def _digest(self, t: torch.Tensor) -> str:
         """The content digest of ``t``: remembered for trusted tensors (see
@@ -99,16 +158,32 @@ class UploadsMixin:
         self._digests[id(t)] = (weakref.ref(t), stamp, sha)
         return sha
 
-    def _remember_upload(self, t: torch.Tensor, h: int, checks: Optional[dict] = None) -> None:
+    def _remember_upload(self, t: torch.Tensor, h: int, checks: Optional[dict] = None,
+                         shared: bool = False) -> None:
         """Cache the upload of ``t`` under handle ``h``; ``checks``: the content checks
-        taken as the bytes were encoded (a view's is its base's)."""
+        taken as the bytes were encoded (a view's is its base's). ``shared``: ``h`` is
+        another weight's upload of the same content (nothing was sent). A weight's handle
+        is given up when the last robot weight using it is gone (:meth:`_drop_weight`)."""
         key, owner = self._cache_key(t)
         sess_gen = self._generation
+        shared_key = self._shared_key(t)
+        if shared_key is not None:
+            self._handle_users[h] = self._handle_users.get(h, 0) + 1
+            self._weight_handles.setdefault(shared_key, h)
+        nbytes = owner.numel() * owner.element_size() if owner is t else 0   # a view: no storage of its own
 
-        def dead(_, key=key, h=h):
-            if self._generation == sess_gen:
+        def dead(_, key=key, h=h, nbytes=nbytes):
+            if self._generation != sess_gen:
+                return
+            self._uploaded.pop(key, None)
+            users = self._handle_users.get(h)
+            if users is None:
                 self._releases.append(h)
-                self._uploaded.pop(key, None)
+            elif users > 1:
+                self._handle_users[h] = users - 1
+            else:
+                del self._handle_users[h]
+                self._drop_weight(h, nbytes)
         check = None
         if not _trusted(owner):
             check = (checks or {}).get(id(owner))
@@ -116,7 +191,8 @@ class UploadsMixin:
                 base = self._uploaded.get((id(owner),))
                 check = base[3] if base is not None and base[0]() is owner else _content_check(owner)
         self._uploaded[key] = (weakref.ref(owner, dead), self._stamp(owner), h, check)
-        self.recorder.note_upload(h)
+        if not shared:
+            self.recorder.note_upload(h)
 
     def _note_writes(self, func, args, kwargs) -> None:
         """Count the writes of a robot-side operator into robot tensors (see _stamp)."""
