@@ -43,6 +43,12 @@ def _run(args, cwd, check=True):
     return proc
 
 
+#: The program corpus runs once per module (three runs of each program, a few seconds
+#: each); the first test that asks for it pays for all of them, so on a loaded machine it
+#: needs more than the suite's per-test limit.
+CORPUS_TIMEOUT_S = 3000
+
+
 @pytest.fixture(scope="module")
 def program_runs(tmp_path_factory):
     """Each test program plain, and under the launcher in both modes (in-process server):
@@ -64,6 +70,7 @@ def program_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
 @pytest.mark.parametrize("mode", ["transparent", "record_replay"])
 @pytest.mark.parametrize("prog", ALL_PROGRAMS)
 def test_program_outputs_equal_uninstrumented(program_runs, prog, mode):
@@ -85,6 +92,20 @@ def test_program_outputs_equal_uninstrumented(program_runs, prog, mode):
         assert stats["ops_replayed"] == 0 and stats["round_trips"] >= stats["ops_remote"]
 
 
+def test_launcher_local_mode_runs_the_program_as_it_is(tmp_path):
+    """--mode local: nothing intercepted, no server needed (the reference a launch file's
+    mode switch compares with); the program's output and exit status are its own."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("import sys, torch\nw = torch.nn.Linear(4, 2)\ntorch.manual_seed(1)\n"
+                    "print('sum', torch.nn.Linear(4, 2)(torch.ones(1, 4)).sum().item())\nsys.exit(3)\n")
+    plain = _run([str(prog)], tmp_path, check=False)
+    proc = _run(["-m", "robot_offload.transparent", "--mode", "local", "--", "python", str(prog)],
+                tmp_path, check=False)
+    assert plain.returncode == proc.returncode == 3
+    assert plain.stdout == proc.stdout and plain.stdout.startswith("sum ")
+    assert "[transparent] mode=local" in proc.stderr and "round_trips" not in proc.stderr
+
+
 def test_launcher_reports_when_the_program_raises(tmp_path):
     """The summary and --stats-out come also from a program that raises; the exception
     then reaches the caller (a traceback and a non-zero exit status)."""
@@ -100,6 +121,7 @@ def test_launcher_reports_when_the_program_raises(tmp_path):
     assert json.loads(stats.read_text())["ops_remote"] > 0
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
 @pytest.mark.parametrize("prog,sequences", [("classifier_loop", 1), ("kapao_loop", 1), ("two_models", 2)])
 def test_replay_after_identification(program_runs, prog, sequences):
     _, _, stats, _ = program_runs[prog, "record_replay"]
@@ -113,6 +135,30 @@ def test_replay_after_identification(program_runs, prog, sequences):
     assert min(i["round_trips"] for i in recorded) > 20 * max(i["round_trips"] for i in replayed)
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
+def test_rebuilt_model_replays_and_its_weights_stay_on_the_server(program_runs):
+    """A model built again every loop (a new object, the same weights) is recognised by
+    content: its sequence replays in one round trip, and its weights cross the link once.
+    New weights (the last frames' other seed) are a new sequence, recorded again."""
+    _, _, stats, _ = program_runs["rebuild_each_frame", "record_replay"]
+    infs = stats["inferences"]
+    assert [i["phase"] for i in infs[3:4]] == ["replaying"] and infs[-1]["phase"] == "recording", infs
+    replayed = [i for i in infs if i["phase"] == "replaying"]
+    assert len(replayed) >= 2 and all(i["round_trips"] == 1 for i in replayed), infs
+    assert all(i["bytes_up"] < infs[0]["bytes_up"] / 4 for i in infs[1:4]), infs
+
+
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
+def test_detector_postprocessing_replays_in_one_round_trip(program_runs):
+    """Per-class NMS on the model's output (sync points: data-dependent sizes, values read
+    mid-way) settles at one round trip per frame once the replay has seen what the
+    program reads."""
+    _, _, stats, _ = program_runs["detector_nms", "record_replay"]
+    replayed = [i for i in stats["inferences"] if i["phase"] == "replaying"]
+    assert replayed and replayed[-1]["round_trips"] <= 2, stats["inferences"]
+
+
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
 def test_kapao_first_inference_differs_and_is_ignored(program_runs):
     """KAPAO's decoder builds its grids in the first call: that inference uploads them and
     differs from the later ones; the sequence is still identified from inferences 2 and 3."""
@@ -123,6 +169,7 @@ def test_kapao_first_inference_differs_and_is_ignored(program_runs):
     assert stats["inferences"][3]["phase"] == "replaying"
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
 def test_control_flow_divergence_detected_never_wrong(program_runs):
     _, _, stats, _ = program_runs["control_flow", "record_replay"]
     assert stats["sequences_identified"] >= 1
