@@ -68,7 +68,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from robot_offload.errors import OffloadError, RemoteError, TransportError
+from robot_offload.errors import OffloadError, OffloadTimeout, RemoteError, TransportError
 from robot_offload.protocol import ComputeRequest, raise_for_status
 from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, FallbackMixin, _is_random, _short_name
@@ -273,8 +273,12 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
     def _server_lost(self, error) -> None:
         """Forget the server's state, compute on the robot, probe in the background."""
         self.last_error = f"{type(error).__name__}: {error}"
-        log.warning("offload server lost (%s): computing on the robot until it answers again",
-                    self.last_error)
+        hint = ""
+        if isinstance(error, OffloadTimeout):
+            hint = (f"; if the server is only slow (a CPU server, a large model: a replay is a whole "
+                    f"inference in one request), raise timeout_s (now {self.timeout_s:g} s)")
+        log.warning("offload server lost (%s): computing on the robot until it answers again%s",
+                    self.last_error, hint)
         self.stats.server_losses += 1
         self._spec = None
         self.reset()
