@@ -130,3 +130,12 @@ def test_draw_people_skips_low_confidence_and_hostile_values():
     assert out.shape == img.shape
     with pytest.raises(ValueError):
         draw_people(np.zeros((10, 10), dtype=np.uint8), [])
+
+
+def test_pairing_parameters_are_bounded():
+    from robot_offload.frames import check_pairing
+    assert check_pairing(30, 0.01) == (30, 0.01) and check_pairing(1, 0) == (1, 0.0)
+    for queue, slop in [(0, 0.01), (1001, 0.01), (2.0, 0.01), (True, 0.01), ("30", 0.01),
+                        (30, -0.1), (30, 1.0), (30, float("nan")), (30, "0.01"), (30, True)]:
+        with pytest.raises(ConfigError):
+            check_pairing(queue, slop)

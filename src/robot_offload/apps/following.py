@@ -14,6 +14,7 @@ import math
 from typing import Optional, Sequence, Tuple
 
 from robot_offload.errors import ConfigError
+from robot_offload.frames import check_pairing
 
 __all__ = ["FollowConfig", "Goal", "standoff_goal", "yaw_quaternion", "GoalGate", "check_frame_id"]
 
@@ -55,11 +56,7 @@ class FollowConfig:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"enabled must be true or false, got {self.enabled!r}")
-        if isinstance(self.sync_queue_size, bool) or not isinstance(self.sync_queue_size, int) \
-                or not 1 <= self.sync_queue_size <= 1000:
-            raise ConfigError(f"sync_queue_size must be an integer in 1..1000, got {self.sync_queue_size!r}")
-        if self.sync_slop_s >= 1.0:
-            raise ConfigError(f"sync_slop_s must be below 1 s, got {self.sync_slop_s!r}")
+        check_pairing(self.sync_queue_size, self.sync_slop_s)
         return dataclasses.replace(self, **{k: float(v) for k, v in numbers.items()})
 
 

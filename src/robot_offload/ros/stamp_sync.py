@@ -12,21 +12,6 @@ import threading
 import message_filters
 import rospy
 
-from robot_offload.errors import ConfigError
-
-
-def check_sync_params(queue_size, slop_s):
-    """``(queue_size, slop_s)`` as (int, float), or :class:`ConfigError`."""
-    try:
-        queue, slop = int(queue_size), float(slop_s)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"sync_queue_size and sync_slop_s must be numbers, got {queue_size!r}, {slop_s!r}") from e
-    if not 1 <= queue <= 1000 or queue != queue_size:
-        raise ConfigError(f"sync_queue_size must be an integer in 1..1000, got {queue_size!r}")
-    if not 0.0 <= slop < 1.0:
-        raise ConfigError(f"sync_slop_s must be in [0, 1) s, got {slop_s!r}")
-    return queue, slop
-
 
 class StampPairing:
     """``callback(first, *others)`` once per set of messages of the same stamp.

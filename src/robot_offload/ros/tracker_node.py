@@ -21,9 +21,10 @@ from robot_offload import codec, structure
 from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES, Pose, decode_poses, rescale_poses
 from robot_offload.apps.tracking import CameraIntrinsics, PersonTracker, TrackerConfig
 from robot_offload.errors import ConfigError
+from robot_offload.frames import check_pairing
 from robot_offload.msg import InferenceResult, People, Person
 from robot_offload.ros.conversions import tensor_from_msg
-from robot_offload.ros.stamp_sync import StampPairing, check_sync_params
+from robot_offload.ros.stamp_sync import StampPairing
 
 PAIRING_HINT = ("Check that depth_topic and camera_info_topic are the registered depth of the colour "
                 "image, stamped with its stamp; a result later than ~sync_queue_size depth frames "
@@ -43,8 +44,8 @@ class TrackerNode:
             min_keypoints=int(rospy.get_param("~min_keypoints", 3)),
             depth_window_px=int(rospy.get_param("~depth_window_px", 5))))
         try:
-            queue, slop = check_sync_params(rospy.get_param("~sync_queue_size", 30),
-                                            rospy.get_param("~sync_slop_s", 0.01))
+            queue, slop = check_pairing(rospy.get_param("~sync_queue_size", 30),
+                                        rospy.get_param("~sync_slop_s", 0.01))
         except ConfigError as e:
             raise rospy.ROSInitException(f"person_tracker: {e}") from e
         from cv_bridge import CvBridge
