@@ -41,7 +41,7 @@ class FollowConfig:
     min_interval_s: float = 1.0  # and at most one goal per this many seconds
     enabled: bool = False  # follow from the start; else after ~enable true
     tf_timeout_s: float = 0.5  # wait this long for the frame's transforms
-    sync_queue_size: int = 30  # images kept while their People are awaited (annotation)
+    sync_queue_size: int = 60  # images kept while their People are awaited (annotation)
     sync_slop_s: float = 0.01  # stamps this close are the same frame (s)
 
     def validate(self) -> "FollowConfig":

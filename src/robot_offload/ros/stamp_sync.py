@@ -19,8 +19,10 @@ class StampPairing:
     ``subscribers``: message_filters.Subscribers, the first being the one whose every
     message should find partners (the result); its rospy queue should be short and the
     others' as long as ``queue_size``, since a callback runs in the thread of the message
-    that completed its set. Every ``check_s`` seconds, first-input messages left unpaired
-    (:meth:`unpaired`) are counted and logged with ``hint``."""
+    that completed its set. A first-input message whose partners every other input has
+    passed is dropped from the queue when the next one arrives. Every ``check_s`` seconds,
+    first-input messages left unpaired (:meth:`unpaired`) are counted and logged with
+    ``hint``."""
 
     def __init__(self, subscribers, queue_size, slop_s, callback, hint, check_s=10.0):
         self._callback = callback
@@ -42,6 +44,20 @@ class StampPairing:
     def _count(self, _msg):
         with self._count_lock:
             self.received += 1
+        self._prune()
+
+    def _hopeless(self, stamp, newest):
+        return all(n is not None and stamp + self._slop < n for n in newest)
+
+    def _prune(self):
+        """Drop the queued first-input messages that every other input has passed: their
+        partners are gone, and each may be large (a whole result)."""
+        with self.sync.lock:
+            with self._count_lock:
+                newest = list(self._newest)
+            queue = self.sync.queues[0]
+            for stamp in [s for s in queue if self._hopeless(s, newest)]:
+                del queue[stamp]
 
     def _seen(self, msg, i):
         with self._count_lock:
@@ -67,7 +83,7 @@ class StampPairing:
             waiting = list(self.sync.queues[0])
         with self._count_lock:
             newest = list(self._newest)
-            hopeless = sum(1 for s in waiting if all(n is not None and s + self._slop < n for n in newest))
+            hopeless = sum(1 for s in waiting if self._hopeless(s, newest))
             return max(0, self.received - self.paired - len(waiting) + hopeless)
 
     def _check(self, _event):

@@ -44,7 +44,7 @@ class TrackerNode:
             min_keypoints=int(rospy.get_param("~min_keypoints", 3)),
             depth_window_px=int(rospy.get_param("~depth_window_px", 5))))
         try:
-            queue, slop = check_pairing(rospy.get_param("~sync_queue_size", 30),
+            queue, slop = check_pairing(rospy.get_param("~sync_queue_size", 60),
                                         rospy.get_param("~sync_slop_s", 0.01))
         except ConfigError as e:
             raise rospy.ROSInitException(f"person_tracker: {e}") from e
