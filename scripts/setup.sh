@@ -19,7 +19,8 @@ apt_packages=(
   python3-rostopic python3-rosservice python3-rosparam python3-rosnode python3-rosmsg
   rosbash ros-core-dev catkin ros-message-generation python3-genmsg python3-genpy
   ros-std-msgs ros-sensor-msgs python3-std-msgs python3-sensor-msgs python3-std-srvs
-  ros-geometry-msgs python3-geometry-msgs
+  ros-geometry-msgs python3-geometry-msgs python3-message-filters python3-actionlib-msgs
+  python3-tf2-ros python3-tf2-geometry-msgs tf2-tools
   python3-venv python3-zstandard python3-psutil python3-matplotlib python3-tqdm
   python3-opencv build-essential cmake iproute2 util-linux procps
 )

@@ -2,8 +2,8 @@
 
 A session-wide ``roscore`` on a free port (its own process group, killed at the end),
 this pytest process as a rospy node (``disable_signals`` so pytest keeps Ctrl-C), and a
-``launch`` factory that runs ``roslaunch robot_offload <file> args...`` and stops it
-(SIGINT, then SIGKILL) at the end of the test that started it.
+``launch`` factory that runs ``roslaunch robot_offload <file> args...`` (or one node with
+``rosrun``) and stops it (SIGINT, then SIGKILL) at the end of the test that started it.
 """
 
 import os
@@ -75,6 +75,16 @@ class Launches:
         log = open(os.path.join(self.log_dir, f"{launch_file}-{len(self.procs)}.log"), "w")
         proc = subprocess.Popen(["roslaunch", "--screen", "robot_offload", launch_file, *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log_path = log.name
+        self.procs.append(proc)
+        return proc
+
+    def rosrun(self, package, node_type, *args):
+        """One node, ``rosrun package node_type args...`` (remaps, ``_param:=value``,
+        ``__name:=...``), stopped like a launch."""
+        log = open(os.path.join(self.log_dir, f"{node_type}-{len(self.procs)}.log"), "w")
+        proc = subprocess.Popen(["rosrun", package, node_type, *args], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         proc.log_path = log.name
         self.procs.append(proc)
         return proc

@@ -1,9 +1,11 @@
 """AGRNav navigation with a real master and the shipped launch files: synthetic LiDAR ->
-offload_client (agrnav) -> occupancy_publisher at the LiDAR rate, a mode switch through the
-parameter server, and a bag from record.launch turned into CSV and PNG by bag_report."""
+offload_client (agrnav) -> occupancy_publisher at the LiDAR rate, AGRNav's planner input
+in the planner's format, a mode switch through the parameter server, and a bag from
+record.launch turned into CSV and PNG by bag_report."""
 
 import csv
 import glob
+import math
 import os
 import signal
 import subprocess
@@ -13,15 +15,17 @@ import numpy as np
 import pytest
 import rospy
 from sensor_msgs.msg import PointCloud2, PointField
-from std_msgs.msg import String
+from std_msgs.msg import Float64MultiArray, String
 
 from robot_offload import codec, structure
-from robot_offload.apps.occupancy import occupied_voxels
+from robot_offload.apps.occupancy import occupied_mask, occupied_voxels, planner_indices, quaternion_matrix
+from robot_offload.models.agrnav import DEFAULT_EXTENT, voxelize
 from robot_offload.msg import InferenceResult, InferenceStats
 from robot_offload.ros import conversions as conv
 
 RATE_HZ = 5.0  # half the default 10 Hz: headroom on a shared 2-core machine
 NAV_ARGS = ["input_size:=[32,32,16]", f"rate_hz:={RATE_HZ}", "timeout_s:=1.0"]
+LIDAR_TF = (-5.0, 0.3, 1.0, 0.5)  # the LiDAR in `world`: x, y, z (m), yaw (rad)
 
 
 class Topic:
@@ -86,11 +90,14 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
     # One torch thread: on a busy 2-core machine two threads contend and a 32x32x16 frame
     # takes 5x longer; client_config is the launch file's own way to override client.yaml.
     (tmp_path / "client.yaml").write_text("num_threads: 1\n")
-    launch.start("agrnav_navigation.launch", *NAV_ARGS, "mode:=local", f"client_config:={tmp_path}/client.yaml")
+    launch.start("agrnav_navigation.launch", *NAV_ARGS, "mode:=local", f"client_config:={tmp_path}/client.yaml",
+                 "lidar_tf:={} {} {} {} 0 0".format(*LIDAR_TF))
     recorder = launch.start("record.launch", f"bag_prefix:={tmp_path}/run", "record_results:=true")
     results = topics("/offload_client/result", InferenceResult)
     occupied = topics("/occupancy_publisher/occupied", PointCloud2)
     stats = topics("/offload_client/stats", InferenceStats)
+    planner = topics("/non_intersection_coordinates", Float64MultiArray)
+    sweeps = topics("/points", PointCloud2)
 
     # 1. Results and occupied-voxel clouds at the LiDAR rate.
     occupied.wait_for(lambda m: True, 90)
@@ -119,6 +126,35 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
     # 32 x 32 x 16 over 25.6 x 25.6 x 3.2 m: centres at odd multiples of half a voxel
     steps = (xyz - np.array([0.0, -12.8, -2.0])) / np.array([0.8, 0.8, 0.2]) - 0.5
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+
+    # 2b. AGRNav's planner input, in its planner's format: Float64MultiArray of x, y, z index
+    #     triples of the planner's 0.1 m map in `world` (from -10, -10, -0.1; 200 x 200 x 50):
+    #     the cells, through the LiDAR's TF, of the voxels predicted but not in the sweep.
+    msg = planner.wait_for(lambda m: len(m.data) > 0, 30)
+    idx = np.asarray(msg.data).reshape(-1, 3)
+    assert [(d.label, d.size) for d in msg.layout.dim] == [("voxel", len(idx)), ("xyz", 3)]
+    assert np.all(idx == np.round(idx)) and idx.min() >= 0 and np.all(idx.max(axis=0) < [200, 200, 50])
+    x, y, z, yaw = LIDAR_TF
+    rot = quaternion_matrix(0, 0, math.sin(yaw / 2), math.cos(yaw / 2))
+    by_stamp = {m.header.stamp: m for _, m in list(sweeps.msgs)}
+    for _, result in reversed(list(results.msgs)):
+        if result.header.stamp not in by_stamp:
+            continue
+        out = decode_result(result)
+        seen = voxelize(conv.pointcloud2_to_xyzi(by_stamp[result.header.stamp]), grid=(32, 32, 16))
+        predicted, _ = occupied_mask(out, exclude=seen)
+        want = planner_indices(predicted, DEFAULT_EXTENT, rot, (x, y, z), 0.1, (-10, -10, -0.1), (200, 200, 50))
+        if np.array_equal(idx, want):
+            break
+    else:
+        pytest.fail("the planner message is no result's predicted-only voxels in the planner's map")
+    everything = planner_indices(occupied_mask(out)[0], DEFAULT_EXTENT, rot, (x, y, z), 0.1,
+                                 (-10, -10, -0.1), (200, 200, 50))
+    assert 0 < len(idx) < len(everything)  # the observed voxels are left out
+    # A cell's centre, taken back into the LiDAR's frame, lies in a predicted voxel.
+    cell = (idx[len(idx) // 2] + 0.5) * 0.1 + np.array([-10, -10, -0.1])
+    in_lidar = rot.T @ (cell - np.array([x, y, z]))
+    assert voxelize(in_lidar[None], grid=(32, 32, 16))[0].numpy()[predicted].sum() == 1
 
     # 3. rosparam set switches the mode; the stats show it.
     local = stats.wait_for(lambda m: m.mode == "local", 10)
@@ -156,14 +192,19 @@ def test_launch_arguments_compose():
                              capture_output=True, text=True, timeout=60, check=True).stdout
         return set(out.split())
     full = {"/offload_server", "/offload_client", "/bandwidth_monitor", "/power_logger", "/lidar",
-            "/occupancy_publisher"}
+            "/occupancy_publisher", "/lidar_tf"}
     assert nodes() == full
-    assert nodes("lidar:=false", "server:=false") == full - {"/offload_server", "/lidar"}
+    assert nodes("lidar:=false", "server:=false") == full - {"/offload_server", "/lidar", "/lidar_tf"}
+    assert nodes("lidar:=false", "lidar_tf:=0 0 1 0 0 0") == full - {"/lidar"}
     assert nodes("record:=true") == full | {"/record"}
     recorded = subprocess.run(["roslaunch", "--args", "/record", "robot_offload", "agrnav_navigation.launch",
                                "record:=true"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert "/offload_client/stats" in recorded and "/power_logger/power" in recorded
     assert "/offload_client/result" not in recorded  # heavy, only with record_results:=true
+    occ = subprocess.run(["roslaunch", "--args", "/occupancy_publisher", "robot_offload", "agrnav_navigation.launch",
+                          "points_topic:=/velodyne_points"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert "points:=/velodyne_points" in occ and "result:=/offload_client/result" in occ
 
 
 def test_bag_report_refuses_missing_empty_and_foreign_bags(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = ROOT / "src" / "robot_offload"
 ROS_ONLY = {"rospy", "rosgraph", "roslib", "rosservice", "rostopic", "roslaunch", "rosbag", "genpy",
-            "cv_bridge", "message_filters", "diagnostic_updater", "tf2_ros"}
+            "cv_bridge", "message_filters", "diagnostic_updater", "tf2_ros", "tf2_geometry_msgs"}
 #: robot-side code: runs on the robot, so it must work without the server's code
 ROBOT_SIDE = ("backends", "transparent", "client.py", "camera.py", "bandwidth.py", "power.py", "link.py",
               "transport", "apps")

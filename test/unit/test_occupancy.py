@@ -1,13 +1,16 @@
 """AGRNav application, pure part: voxel centres are the exact inverse of ``voxelize``
-(hand-computed centres, axis order, round trips), occupied-voxel extraction, and the moving
-synthetic LiDAR."""
+(hand-computed centres, axis order, round trips), occupied-voxel extraction, the indices
+AGRNav's planner reads, and the moving synthetic LiDAR."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from robot_offload.apps.occupancy import (LidarConfig, OccupancyConfig, SyntheticSweeps, occupied_voxels,
-                                          voxel_centres, voxel_size)
+from robot_offload.apps.occupancy import (AGRNAV_PLANNER_TOPIC, LidarConfig, OccupancyConfig, SyntheticSweeps,
+                                          occupied_mask, occupied_voxels, planner_indices, quaternion_matrix, voxel_centres,
+                                          voxel_size)
 from robot_offload.errors import ConfigError
 from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene, voxelize
 
@@ -135,6 +138,94 @@ def test_configured_grid_must_match_and_config_validates():
             OccupancyConfig(**bad).validate()
     with pytest.raises(ValueError, match="outside"):
         voxel_centres(np.array([[16, 0, 0]]), (32, 32, 16))
+
+
+# ----------------------------------------------------------------------------- AGRNav's planner
+
+
+PLANNER = dict(planner_voxel_m=0.1, planner_origin=(-10.0, -10.0, -0.1), planner_grid=(200, 200, 50))
+
+
+def test_planner_defaults_are_agrnavs():
+    c = OccupancyConfig().validate()
+    assert c.planner_topic == AGRNAV_PLANNER_TOPIC == "/non_intersection_coordinates"
+    assert (c.planner_frame, c.planner_voxel_size, c.planner_origin, c.planner_grid) == (
+        "world", 0.1, (-10.0, -10.0, -0.1), (200, 200, 50))
+    assert OccupancyConfig(planner_topic="").validate().planner_topic == ""
+    for bad in (dict(planner_frame="/world"), dict(planner_frame=""), dict(planner_voxel_size=0),
+                dict(planner_voxel_size=float("nan")), dict(planner_origin=(0, 0)), dict(planner_grid=(10, 10)),
+                dict(planner_topic="a b"), dict(sync_queue_size=0), dict(sync_slop_s=2.0)):
+        with pytest.raises(ConfigError):
+            OccupancyConfig(**bad).validate()
+
+
+def test_quaternion_matrix():
+    np.testing.assert_allclose(quaternion_matrix(0, 0, 0, 1), np.eye(3))
+    yaw = quaternion_matrix(0, 0, math.sin(math.pi / 4), math.cos(math.pi / 4))  # 90 deg about z
+    np.testing.assert_allclose(yaw @ [1, 0, 0], [0, 1, 0], atol=1e-12)
+    np.testing.assert_allclose(quaternion_matrix(0, 0, 2, 2), yaw, atol=1e-12)  # normalised
+    for bad in ((0, 0, 0, 0), (float("nan"), 0, 0, 1)):
+        with pytest.raises(ValueError):
+            quaternion_matrix(*bad)
+
+
+def one_voxel(grid, zxy):
+    nx, ny, nz = grid
+    occ = np.zeros((nz, nx, ny), dtype=bool)
+    occ[zxy] = True
+    return occ
+
+
+def test_planner_indices_by_hand():
+    # Model: 0.2 m voxels over x, y, z in [0, 0.4); the voxel at x, y, z = 0..0.2 holds the
+    # planner cells 100..101, 100..101 and (0.05 + 0.1) / 0.1 -> 1..2 (origin z -0.1).
+    extent = ((0.0, 0.4), (0.0, 0.4), (0.0, 0.4))
+    occ = one_voxel((2, 2, 2), (0, 0, 0))
+    idx = planner_indices(occ, extent, np.eye(3), (0, 0, 0), **PLANNER)
+    assert idx.tolist() == [[x, y, z] for x in (100, 101) for y in (100, 101) for z in (1, 2)]
+    # Sensor at (1, 2, 0.5) in the planner's frame, turned 90 deg about z: its x 0..0.2 is
+    # the planner's y 2..2.2, its y 0..0.2 the planner's x 0.8..1.
+    rot = quaternion_matrix(0, 0, math.sin(math.pi / 4), math.cos(math.pi / 4))
+    idx = planner_indices(occ, extent, rot, (1.0, 2.0, 0.5), **PLANNER)
+    assert idx.tolist() == [[x, y, z] for x in (108, 109) for y in (120, 121) for z in (6, 7)]
+    # Outside the planner's map (it ends at x = 10 m): nothing.
+    assert planner_indices(occ, extent, np.eye(3), (10.0, 0, 0), **PLANNER).shape == (0, 3)
+    assert planner_indices(occ, extent, np.eye(3), (9.9, 0, 0), **PLANNER)[:, 0].tolist() == [199] * 4
+    assert planner_indices(np.zeros((2, 2, 2)), extent, np.eye(3), (0, 0, 0), **PLANNER).shape == (0, 3)
+    with pytest.raises(ValueError):
+        planner_indices(np.zeros((2, 2)), extent, np.eye(3), (0, 0, 0), **PLANNER)
+
+
+@pytest.mark.parametrize("yaw", [0.0, 0.5])
+def test_planner_indices_are_the_cells_centred_in_occupied_voxels(yaw):
+    grid = (32, 32, 16)  # 0.8 x 0.8 x 0.2 m voxels over the default extent
+    rng = np.random.default_rng(2)
+    occ = rng.random((16, 32, 32)) < 0.02
+    rot = quaternion_matrix(0, 0, math.sin(yaw / 2), math.cos(yaw / 2))
+    t = np.array([-5.0, 0.3, 1.0])
+    idx = planner_indices(occ, DEFAULT_EXTENT, rot, t, **PLANNER)
+    # brute force over the whole planner map, in voxelize's half-open voxels
+    cells = np.argwhere(np.ones((200, 200, 50), dtype=bool))
+    sensor = (np.array(PLANNER["planner_origin"]) + (cells + 0.5) * 0.1 - t) @ rot
+    m = np.floor((sensor - np.array([0.0, -12.8, -2.0])) / voxel_size(grid)).astype(int)
+    ok = np.all((m >= 0) & (m < np.array(grid)), axis=1)
+    want = cells[ok][occ[m[ok, 2], m[ok, 0], m[ok, 1]]]
+    assert len(want) > 1000
+    np.testing.assert_array_equal(idx, want)
+
+
+def test_exclude_keeps_only_what_the_sweep_did_not_see():
+    occ = torch.full((1, 2, 4, 4), -1.0)
+    occ[0, 0, 1, 1] = occ[0, 1, 2, 3] = occ[0, 0, 3, 0] = 1.0
+    seen = torch.zeros((1, 2, 4, 4))
+    seen[0, 0, 1, 1] = 1.0  # observed and predicted: left out
+    seen[0, 1, 0, 0] = 1.0  # observed only: not predicted anyway
+    out = {"occupancy": occ, "labels": torch.zeros_like(occ, dtype=torch.uint8)}
+    mask, _ = occupied_mask(out)
+    predicted, _ = occupied_mask(out, exclude=seen)
+    assert mask.sum() == 3 and np.argwhere(predicted).tolist() == [[0, 3, 0], [1, 2, 3]]
+    with pytest.raises(ValueError, match="exclude"):
+        occupied_mask(out, exclude=torch.zeros((1, 2, 4, 3)))
 
 
 def test_synthetic_sweeps_move_obstacles_deterministically():

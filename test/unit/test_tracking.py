@@ -316,3 +316,19 @@ def test_tracker_from_poses_and_depth():
     assert positions[2] == pytest.approx((0.02, 0.0, 2.0))
     assert positions[0][2] == pytest.approx(5.0)
     assert res.target_index == 2 and res.position_m == pytest.approx([0.02, 0.0, 2.0])
+
+
+def test_track_id_is_new_for_each_new_person():
+    tr = PersonTracker(TrackerConfig(max_coast_s=0.5, max_consecutive_rejections=2))
+    assert tr.update(0.0, []).track_id is None
+    first = tr.update(0.1, [(0.0, 0.0, 3.0)])
+    assert first.track_id == 1
+    assert tr.update(0.2, [(0.0, 0.0, 3.01)]).track_id == 1  # the same person
+    assert tr.update(0.3, [(3.0, 0.0, 3.0)]).track_id == 1  # gated out once: still coasting on 1
+    jumped = tr.update(0.4, [(3.0, 0.0, 3.0)])  # second rejection in a row: the filter jumps
+    assert jumped.reinitialized and jumped.track_id == 2
+    lost = tr.update(1.0, [])  # past max_coast_s: no target
+    assert lost.status is TrackStatus.NONE and lost.track_id is None
+    assert tr.update(1.1, [(1.0, 0.0, 2.0)]).track_id == 3
+    tr.update(-10.0, [(1.0, 0.0, 2.0)])  # time jumped back: a restart, still a new id
+    assert tr.update(-9.9, [(1.0, 0.0, 2.0)]).track_id == 4

@@ -1,5 +1,6 @@
-"""AGRNav navigation, the pure part: voxel grid -> metres, occupied voxels, and a moving
-synthetic LiDAR for demos (no rospy; the nodes in :mod:`robot_offload.ros` wrap these).
+"""AGRNav navigation, the pure part: voxel grid -> metres, occupied voxels, the voxel
+indices AGRNav's planner reads, and a moving synthetic LiDAR for demos (no rospy; the
+nodes in :mod:`robot_offload.ros` wrap these).
 
 The voxel mapping is the exact inverse of :func:`robot_offload.models.agrnav.voxelize`:
 that function puts a point ``p`` (metres) in voxel ``i = floor((p - lo) * n / (hi - lo))``
@@ -18,6 +19,7 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from robot_offload.errors import ConfigError
+from robot_offload.frames import check_pairing
 from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene
 
 __all__ = [
@@ -27,7 +29,10 @@ __all__ = [
     "check_extent",
     "voxel_size",
     "voxel_centres",
+    "occupied_mask",
     "occupied_voxels",
+    "quaternion_matrix",
+    "planner_indices",
     "split_ground",
 ]
 
@@ -90,16 +95,16 @@ def _grid_tensor(name: str, value) -> np.ndarray:
     return arr
 
 
-def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
-                    extent: Sequence[Sequence[float]] = DEFAULT_EXTENT,
-                    grid: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
-    """The occupied voxels of one AGRNav result.
+def occupied_mask(outputs: dict, threshold_logit: float = 0.0, grid: Sequence[int] = (),
+                  exclude=None) -> Tuple[np.ndarray, np.ndarray]:
+    """``(mask, labels)`` of one AGRNav result: Z x X x Y booleans, True where the voxel is
+    occupied (its logit strictly above ``threshold_logit``), and the class ids.
 
     ``outputs``: ``{"occupancy": 1 x Z x X x Y logits, "labels": 1 x Z x X x Y class ids}``
-    (tensors or arrays). A voxel is occupied when its logit is strictly above
-    ``threshold_logit``. Returns ``(xyz, label)``: N x 3 float32 voxel centres (x, y, z
-    metres, sensor frame) and N float32 class ids, in ``np.argwhere`` order. ``grid`` (X, Y,
-    Z), when given, must match the tensors' shape; by default the shape is the grid.
+    (tensors or arrays). ``grid`` (X, Y, Z), when given, must match the tensors' shape.
+    ``exclude`` (a grid of the same shape, e.g. ``voxelize`` of the input sweep) clears the
+    voxels where it is non-zero: what remains is what the model predicts beyond what was
+    observed.
     """
     if not isinstance(outputs, dict) or "occupancy" not in outputs or "labels" not in outputs:
         keys = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
@@ -112,9 +117,101 @@ def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
     if grid and tuple(int(g) for g in grid) != (nx, ny, nz):
         raise ValueError(f"result grid (X, Y, Z) = {(nx, ny, nz)} differs from the configured "
                          f"grid {tuple(grid)}")
-    idx = np.argwhere(occ > threshold_logit)
+    mask = occ > threshold_logit
+    if exclude is not None:
+        seen = _grid_tensor("exclude", exclude)
+        if seen.shape != occ.shape:
+            raise ValueError(f"exclude {seen.shape} and occupancy {occ.shape} differ in shape")
+        mask &= seen == 0
+    return mask, labels
+
+
+def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
+                    extent: Sequence[Sequence[float]] = DEFAULT_EXTENT,
+                    grid: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+    """The occupied voxels of one AGRNav result (:func:`occupied_mask`): ``(xyz, label)``,
+    N x 3 float32 voxel centres (x, y, z metres, sensor frame) and N float32 class ids, in
+    ``np.argwhere`` order. By default the tensors' shape is the grid.
+    """
+    mask, labels = occupied_mask(outputs, threshold_logit, grid)
+    nz, nx, ny = mask.shape
+    idx = np.argwhere(mask)
     xyz = voxel_centres(idx, (nx, ny, nz), extent).astype(np.float32)
     return xyz, labels[idx[:, 0], idx[:, 1], idx[:, 2]].astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# AGRNav's planner input
+# --------------------------------------------------------------------------------------------
+
+#: what AGRNav's planner (plan_env's SDFMap) subscribes to for the network's predictions:
+#: std_msgs/Float64MultiArray, flat (x, y, z) voxel index triples of its map, whose voxels
+#: are 0.1 m from (-map_size_x / 2, -map_size_y / 2, ground_height) = (-10, -10, -0.1) in
+#: ``world`` with AGRNav's 20 x 20 x 5 m map; the indices are not bounds-checked there
+AGRNAV_PLANNER_TOPIC = "/non_intersection_coordinates"
+
+
+def quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
+    """3 x 3 rotation matrix of the quaternion (x, y, z, w) (normalised first); refuses a
+    zero or non-finite one."""
+    q = np.array([x, y, z, w], dtype=np.float64)
+    n = float(np.linalg.norm(q))
+    if not np.all(np.isfinite(q)) or n < 1e-9:
+        raise ValueError(f"not a rotation quaternion: {q.tolist()}")
+    x, y, z, w = q / n
+    return np.array([
+        [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+        [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+        [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
+    ])
+
+
+def planner_indices(occupied_zxy: np.ndarray, extent: Sequence[Sequence[float]], rotation: np.ndarray,
+                    translation: Sequence[float], planner_voxel_m: float, planner_origin: Sequence[float],
+                    planner_grid: Sequence[int]) -> np.ndarray:
+    """The planner's voxels in a model grid's occupied voxels: M x 3 int64 (x, y, z)
+    indices, in C order, of the cells of the planner's map (``planner_grid`` voxels of
+    ``planner_voxel_m`` from ``planner_origin``, its frame) whose centre, taken into the
+    sensor frame, lies in a True voxel of ``occupied_zxy`` (Z x X x Y over ``extent``, as
+    ``voxelize`` lays it out). ``rotation`` and ``translation`` map the sensor frame into
+    the planner's: ``p -> rotation @ p + translation``. Cells outside ``planner_grid`` are
+    never returned (the planner indexes its buffer with them unchecked)."""
+    occ = np.asarray(occupied_zxy).astype(bool)
+    if occ.ndim != 3:
+        raise ValueError(f"occupied grid must be Z x X x Y, got shape {occ.shape}")
+    nz, nx, ny = occ.shape
+    ext = check_extent(extent)
+    lo = ext[:, 0]
+    model_counts = np.array([nx, ny, nz], dtype=np.int64)
+    edge = (ext[:, 1] - lo) / model_counts
+    origin = np.asarray(planner_origin, dtype=np.float64).reshape(3)
+    counts = np.asarray(_check_grid(planner_grid), dtype=np.int64)
+    voxel = float(planner_voxel_m)
+    if not (math.isfinite(voxel) and voxel > 0) or not np.all(np.isfinite(origin)):
+        raise ValueError(f"planner voxel size must be positive and its origin finite: {voxel}, {origin.tolist()}")
+    rot = np.asarray(rotation, dtype=np.float64).reshape(3, 3)
+    t = np.asarray(translation, dtype=np.float64).reshape(3)
+    # the planner cells that can meet the model's extent: the box around its corners
+    corners = np.array(np.meshgrid(*ext, indexing="ij")).reshape(3, -1).T @ rot.T + t
+    first = np.clip(np.floor((corners.min(axis=0) - origin) / voxel), 0, counts).astype(np.int64)
+    last = np.clip(np.ceil((corners.max(axis=0) - origin) / voxel), 0, counts).astype(np.int64)
+    if not occ.any() or np.any(last <= first):
+        return np.zeros((0, 3), dtype=np.int64)
+    # A cell (i, j, k) maps to the model's continuous voxel coordinates affinely,
+    # u = i a + j b + k c + d, so the (j, k) part is computed once and each x slab adds i a.
+    affine = voxel * rot / edge  # row r: the step in model voxels per planner index r
+    d = ((origin + 0.5 * voxel - t) @ rot - lo) / edge
+    gy, gz = np.meshgrid(np.arange(first[1], last[1]), np.arange(first[2], last[2]), indexing="ij")
+    yz = np.stack([gy.ravel(), gz.ravel()], axis=1)
+    yz_part = yz @ affine[1:] + d
+    out = []
+    for i in range(first[0], last[0]):  # one x slab at a time: bounded memory
+        m = np.floor(yz_part + i * affine[0]).astype(np.int64)
+        inside = np.all((m >= 0) & (m < model_counts), axis=1)
+        m = m[inside]
+        hit = np.flatnonzero(inside)[occ[m[:, 2], m[:, 0], m[:, 1]]]
+        out.append(np.concatenate([np.full((len(hit), 1), i, dtype=np.int64), yz[hit]], axis=1))
+    return np.concatenate(out).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +221,41 @@ class OccupancyConfig:
     threshold_logit: float = 0.0  # a voxel is occupied when its logit is above this
     extent: Tuple = DEFAULT_EXTENT  # metres, the client's voxelisation extent (the model's)
     grid: Tuple = ()  # (X, Y, Z) voxels to expect; () = whatever shape the results have
+    # AGRNav's planner input ("" = off): the predicted voxels not in the sweep, as indices of
+    # the planner's map (its frame, voxel size, origin and size in voxels)
+    planner_topic: str = AGRNAV_PLANNER_TOPIC
+    planner_frame: str = "world"
+    planner_voxel_size: float = 0.1
+    planner_origin: Tuple = (-10.0, -10.0, -0.1)
+    planner_grid: Tuple = (200, 200, 50)
+    sync_queue_size: int = 30  # sweeps kept while their result is awaited
+    sync_slop_s: float = 0.01  # stamps this close are the same sweep (s)
 
     def validate(self) -> "OccupancyConfig":
         if not math.isfinite(float(self.threshold_logit)):
             raise ConfigError(f"threshold_logit must be finite, got {self.threshold_logit}")
         ext = check_extent(self.extent)
         grid = _check_grid(self.grid) if len(self.grid) else ()
+        if not isinstance(self.planner_topic, str) or any(c.isspace() for c in self.planner_topic):
+            raise ConfigError(f"planner_topic must be a topic name or \"\", got {self.planner_topic!r}")
+        frame = self.planner_frame
+        if not isinstance(frame, str) or not frame or frame.startswith("/") or any(c.isspace() for c in frame):
+            raise ConfigError(f"planner_frame must be a TF frame id (no leading '/'), got {frame!r}")
+        try:
+            voxel = float(self.planner_voxel_size)
+            origin = np.asarray(self.planner_origin, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"planner_voxel_size and planner_origin must be numbers: {e}") from e
+        if not (math.isfinite(voxel) and voxel > 0):
+            raise ConfigError(f"planner_voxel_size must be positive, got {self.planner_voxel_size!r}")
+        if origin.shape != (3,) or not np.all(np.isfinite(origin)):
+            raise ConfigError(f"planner_origin must be [x, y, z] metres, got {self.planner_origin!r}")
+        planner_grid = _check_grid(self.planner_grid)
+        _, slop = check_pairing(self.sync_queue_size, self.sync_slop_s)
         return dataclasses.replace(self, threshold_logit=float(self.threshold_logit),
-                                   extent=tuple(tuple(float(v) for v in row) for row in ext), grid=grid)
+                                   extent=tuple(tuple(float(v) for v in row) for row in ext), grid=grid,
+                                   planner_voxel_size=voxel, planner_origin=tuple(origin.tolist()),
+                                   planner_grid=planner_grid, sync_slop_s=slop)
 
 
 # --------------------------------------------------------------------------------------------

@@ -358,6 +358,9 @@ class TrackResult:
     ``target_index`` is the index (into the positions given to :meth:`PersonTracker.update`)
     of the detection used this frame, None if none was.  ``stale`` marks a frame that was
     older than one already processed and was ignored (the rest describes the current state).
+    ``track_id`` names the target: a new one (counting from 1) whenever the tracker takes a
+    new person (the first, one after a loss, or a jump to another detection); None when
+    there is no target.
     """
 
     stamp_s: float
@@ -368,6 +371,7 @@ class TrackResult:
     target_index: Optional[int] = None
     stale: bool = False
     reinitialized: bool = False
+    track_id: Optional[int] = None
 
     @property
     def has_target(self) -> bool:
@@ -427,6 +431,8 @@ class PersonTracker:
         )
         self._last_stamp_s: Optional[float] = None
         self._last_accept_s: Optional[float] = None
+        self._last_track_id = 0
+        self.track_id: Optional[int] = None
 
     @property
     def has_target(self) -> bool:
@@ -436,6 +442,11 @@ class PersonTracker:
         self.kf.reset()
         self._last_stamp_s = None
         self._last_accept_s = None
+        self.track_id = None
+
+    def _new_track(self) -> None:
+        self._last_track_id += 1
+        self.track_id = self._last_track_id
 
     def update(
         self,
@@ -472,12 +483,16 @@ class PersonTracker:
                 if self.kf.update(z):
                     used, reinit = i, self.kf.reinitialized
                     self._last_accept_s = stamp_s
+                    if reinit:
+                        self._new_track()
             if used is None and stamp_s - self._last_accept_s > self.config.max_coast_s:
                 self.kf.reset()
+                self.track_id = None
         if not self.kf.initialized and valid:
             i, z = self._select_new(valid, positions_m, box_areas_px2)
             self.kf.initialize(z)
             used, self._last_accept_s = i, stamp_s
+            self._new_track()
         return self._result(stamp_s, used, reinitialized=reinit)
 
     def update_from_poses(
@@ -517,4 +532,5 @@ class PersonTracker:
             target_index=used,
             stale=stale,
             reinitialized=reinitialized,
+            track_id=self.track_id,
         )

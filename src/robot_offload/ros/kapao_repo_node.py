@@ -76,7 +76,7 @@ class KapaoRepoNode:
         if session is not None:
             if session.stats.server_losses > losses or session.down.is_set():
                 stats.executed_mode, stats.fallback_reason = "local", session.last_error
-        people = People(header=msg.header, target_index=-1, track_status="none")
+        people = People(header=msg.header, target_index=-1, track_id=-1, track_status="none")
         for p in poses:
             kp = p.keypoints
             people.people.append(Person(score=float(p.score), box_xyxy=[float(v) for v in p.box_xyxy],
