@@ -25,12 +25,12 @@ from typing import Optional
 
 import numpy as np
 
+from robot_offload.apps.occupancy import AGRNAV_ORIGIN_M as ORIGIN_M
+from robot_offload.apps.occupancy import AGRNAV_VOXEL_SIZE_M as VOXEL_SIZE_M
 from robot_offload.errors import ConfigError
 
-#: AGRNav's voxel grid: counts along x, y, z; voxel edge; the grid's corner (metres).
+#: The voxel files' grid: counts along x, y, z (AGRNav's point2vox).
 GRID_XYZ = (256, 256, 32)
-VOXEL_SIZE_M = 0.1
-ORIGIN_M = (-10.0, -10.0, -0.1)
 #: The node's script, relative to the checkout.
 NODE_SCRIPT = os.path.join("src", "perception", "SCONet", "network", "inference_ros.py")
 #: Where AGRNav's SemanticKITTI loader looks for voxel files, whatever its parameters say.

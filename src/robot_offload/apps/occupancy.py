@@ -149,6 +149,10 @@ def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
 #: are 0.1 m from (-map_size_x / 2, -map_size_y / 2, ground_height) = (-10, -10, -0.1) in
 #: ``world`` with AGRNav's 20 x 20 x 5 m map; the indices are not bounds-checked there
 AGRNAV_PLANNER_TOPIC = "/non_intersection_coordinates"
+#: AGRNav's voxels: edge (m) and the corner of its grids, the planner's map and the voxel
+#: files its network reads (point2vox) alike
+AGRNAV_VOXEL_SIZE_M = 0.1
+AGRNAV_ORIGIN_M = (-10.0, -10.0, -0.1)
 
 
 def quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
@@ -225,8 +229,8 @@ class OccupancyConfig:
     # the planner's map (its frame, voxel size, origin and size in voxels)
     planner_topic: str = AGRNAV_PLANNER_TOPIC
     planner_frame: str = "world"
-    planner_voxel_size: float = 0.1
-    planner_origin: Tuple = (-10.0, -10.0, -0.1)
+    planner_voxel_size: float = AGRNAV_VOXEL_SIZE_M
+    planner_origin: Tuple = AGRNAV_ORIGIN_M
     planner_grid: Tuple = (200, 200, 50)
     sync_queue_size: int = 30  # sweeps kept while their result is awaited
     sync_slop_s: float = 0.01  # stamps this close are the same sweep (s)
