@@ -52,7 +52,7 @@ def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
     weights = make_weights(str(tmp_path / "kapao_w.pt"))
     launch.start("kapao_people_tracking.launch", f"kapao_repo:={os.path.abspath(REPO)}",
                  f"kapao_weights:={weights}", "trust_checkpoint:=true", "kapao_imgsz:=128", "rate_hz:=4",
-                 "timeout_s:=10.0")
+                 "kapao_timeout_s:=30.0")
     stats, people = [], []
     subs = [rospy.Subscriber("/kapao_repo/stats", InferenceStats, stats.append, queue_size=50),
             rospy.Subscriber("/person_tracker/people", People, people.append, queue_size=50)]
