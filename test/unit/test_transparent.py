@@ -144,7 +144,7 @@ def test_rebuilt_model_replays_and_its_weights_stay_on_the_server(program_runs):
     infs = stats["inferences"]
     assert [i["phase"] for i in infs[3:4]] == ["replaying"] and infs[-1]["phase"] == "recording", infs
     replayed = [i for i in infs if i["phase"] == "replaying"]
-    assert len(replayed) >= 2 and all(i["round_trips"] == 1 for i in replayed), infs
+    assert replayed and all(i["round_trips"] == 1 for i in replayed), infs
     assert all(i["bytes_up"] < infs[0]["bytes_up"] / 4 for i in infs[1:4]), infs
 
 

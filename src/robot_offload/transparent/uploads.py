@@ -125,10 +125,8 @@ class UploadsMixin:
             return None
         if owner is t:
             return ("sha", self._digest(t))
-        base = self._uploaded.get((id(owner),))
-        if base is not None and base[0]() is owner:
-            base_h = base[2]
-        else:
+        base_h = self._cached_handle(owner)       # the base's upload, if still its content
+        if base_h is None:
             base_h = self._weight_handles.get(("sha", self._digest(owner)))
             if base_h is None:
                 return None
