@@ -20,6 +20,7 @@ apt_packages=(
   rosbash ros-core-dev catkin ros-message-generation python3-genmsg python3-genpy
   ros-std-msgs ros-sensor-msgs python3-std-msgs python3-sensor-msgs python3-std-srvs
   ros-geometry-msgs python3-geometry-msgs
+  ros-diagnostic-msgs python3-diagnostic-msgs python3-diagnostic-updater
   python3-venv python3-zstandard python3-psutil python3-matplotlib python3-tqdm
   python3-opencv build-essential cmake iproute2 util-linux procps
 )
