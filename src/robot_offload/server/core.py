@@ -69,7 +69,8 @@ class OffloadServer:
         self.requests_failed = 0
         self.refused = Counter()                  # status name -> requests answered with it
         self.in_flight = 0                        # requests being answered now
-        # client_id -> when its last authenticated request came (bounded, oldest dropped)
+        # client_id -> when its last request that passed authentication came (bounded,
+        # least recent dropped)
         self._clients: "OrderedDict[str, float]" = OrderedDict()
         self.executors = executors.build(self)
 
@@ -94,7 +95,7 @@ class OffloadServer:
     def activity(self) -> dict:
         """What the server is doing, for its health report
         (:mod:`robot_offload.server.health`): request counts, requests in flight,
-        clients seen in the last ``window_s``, loaded models, the device, and each
+        clients seen in the last ``CLIENT_WINDOW_S``, loaded models, the device, and each
         executor's own figures (operator sandboxes or sessions)."""
         now = time.monotonic()
         with self._lock:
@@ -102,9 +103,9 @@ class OffloadServer:
                        "failed": self.requests_failed, "in_flight": self.in_flight,
                        "clients": sum(1 for t in self._clients.values() if now - t <= CLIENT_WINDOW_S),
                        "models": sorted(self._models), "device": str(self.device),
-                       "server_id": self.server_id}
-        figures["executors"] = {entry: ex.status() for entry, ex in self.executors.items()
-                                if getattr(ex, "status", None) is not None}
+                       "server_id": self.server_id, "client_window_s": CLIENT_WINDOW_S}
+        figures["executors"] = {entry: f for entry, f in
+                                ((entry, ex.status()) for entry, ex in self.executors.items()) if f}
         return figures
 
     def _seen(self, request) -> None:

@@ -62,7 +62,8 @@ class ServerHealth:
                    f"{served} requests in the {w}")
         r.add("server id", activity.get("server_id")).add("device", activity["device"])
         r.add("models loaded", activity["models"])
-        r.add(f"clients (requests in the {w})", activity["clients"])
+        r.add(f"clients (requests in the last {activity.get('client_window_s', self.window_s):.0f} s)",
+              activity["clients"])
         r.add("requests (total)", activity["requests"]).add(f"requests ({w})", served)
         r.add("refused (total)", activity["failed"])
         refused = activity["refused"]
