@@ -21,6 +21,7 @@ apt_packages=(
   ros-std-msgs ros-sensor-msgs python3-std-msgs python3-sensor-msgs python3-std-srvs
   ros-geometry-msgs python3-geometry-msgs python3-message-filters python3-actionlib-msgs
   python3-tf2-ros python3-tf2-geometry-msgs tf2-tools
+  ros-diagnostic-msgs python3-diagnostic-msgs python3-diagnostic-updater
   python3-venv python3-zstandard python3-psutil python3-matplotlib python3-tqdm
   python3-opencv build-essential cmake iproute2 util-linux procps
 )

@@ -141,6 +141,10 @@ class OffloadClient:
         """Reach the server and load the model there (probing in the background if not)."""
         return self.link.connect(timeout_s) if self.link is not None else False
 
+    def needs_server(self, mode: Optional[str] = None) -> bool:
+        """Whether ``mode`` (default: the current one) offloads to the server."""
+        return self._get_backend(mode or self.mode).needs_server
+
     def set_mode(self, mode: str) -> str:
         """Switch backend from the next frame on; returns the previous mode. An unknown
         mode raises ConfigError and the current mode is kept."""

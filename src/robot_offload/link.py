@@ -62,6 +62,17 @@ class ServerLink:
     def available(self) -> bool:
         return self._up.is_set() and not self._refused and self.clock() >= self._retry_at
 
+    @property
+    def state(self) -> str:
+        """``up`` (offloading), ``connecting`` (before the first answer or failure),
+        ``recovering`` (answering again, in the back-off after failures), ``down`` or
+        ``refused`` (the server has other weights: offloading is off for good)."""
+        if self._refused:
+            return "refused"
+        if self._up.is_set():
+            return "up" if self.clock() >= self._retry_at else "recovering"
+        return "connecting" if self.consecutive_failures == 0 else "down"
+
     def connect(self, timeout_s: Optional[float] = None) -> bool:
         """Try once to reach the server and load the model; start probing on failure."""
         try:

@@ -49,6 +49,7 @@ import torch
 from robot_offload import auth, backends
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
+from robot_offload.health import process_figures
 from robot_offload.partition.profile import output_error
 
 
@@ -57,19 +58,7 @@ def _say(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} soak: {msg}", file=sys.stderr, flush=True)
 
 
-# -- process figures ---------------------------------------------------------------------------
-def proc_figures(pid="self") -> dict:
-    """RSS (MB), open file descriptors and OS threads of a process, from /proc."""
-    status = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            status[key] = value.strip()
-    return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024.0,
-            "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": int(status["Threads"])}
-
-
+# -- process figures (RSS, fds, threads: robot_offload.health.process_figures) -------------------
 def inventory() -> dict:
     """What this process holds, by kind: Python threads by name and open file descriptors
     by target (``socket``, ``pipe``, a path), so that a failed leak check says what grew."""
@@ -138,7 +127,7 @@ def _check_output(out) -> bool:
 
 
 def run(args) -> dict:
-    start = proc_figures()
+    start = process_figures()
     modes = args.modes or backends.modes()
     workdir = args.workdir or tempfile.mkdtemp(prefix="robot_offload_soak-")
     os.makedirs(workdir, exist_ok=True)
@@ -199,7 +188,7 @@ def run(args) -> dict:
         if hasattr(server, "note_server"):
             server.note_server(baseline=True)
         gc.collect()
-        baseline = proc_figures()
+        baseline = process_figures()
         baseline_held = inventory()
         baseline_pools = server.transport.held()
         warmup_s = time.perf_counter() - t0
@@ -224,7 +213,7 @@ def run(args) -> dict:
                 new_server_warm = True
             if args.progress and (i + 1) % args.progress == 0:
                 _say(f"{i + 1}/{args.inferences} inferences, {time.perf_counter() - t0:.1f} s, "
-                     f"{proc_figures()}")
+                     f"{process_figures()}")
         run_s = time.perf_counter() - t0
         # Let the client settle (prober done, calls finished) before the final figures.
         end_wait = time.monotonic() + 10
@@ -237,7 +226,7 @@ def run(args) -> dict:
         while True:
             time.sleep(1.0)
             gc.collect()
-            end = proc_figures()
+            end = process_figures()
             end_held = inventory()
             end_pools = server.transport.held()
             leak = leaked(baseline, end, baseline_pools, end_pools)

@@ -72,8 +72,10 @@ class Launches:
         self.log_dir = log_dir
 
     def start(self, launch_file, *args):
-        log = open(os.path.join(self.log_dir, f"{launch_file}-{len(self.procs)}.log"), "w")
-        proc = subprocess.Popen(["roslaunch", "--screen", "robot_offload", launch_file, *args],
+        """``roslaunch robot_offload <launch_file>``, or of a path when it is one."""
+        where = [launch_file] if os.path.isabs(launch_file) else ["robot_offload", launch_file]
+        log = open(os.path.join(self.log_dir, f"{os.path.basename(launch_file)}-{len(self.procs)}.log"), "w")
+        proc = subprocess.Popen(["roslaunch", "--screen", *where, *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.log_path = log.name
         self.procs.append(proc)

@@ -10,7 +10,8 @@ import pytest
 
 from robot_offload.protocol import ComputeRequest, PingRequest
 from robot_offload.server import OffloadServer, ServerConfig
-from robot_offload.soak import grown, inventory, leaked, proc_figures
+from robot_offload.health import process_figures
+from robot_offload.soak import grown, inventory, leaked
 from robot_offload.transport.inproc import InProcessTransport
 
 
@@ -47,15 +48,15 @@ def test_growth_outside_the_pools_is_a_leak_and_is_named():
     r = w = None
     try:
         _quiet()
-        before, before_held, before_pools = proc_figures(), inventory(), transport.held()
+        before, before_held, before_pools = process_figures(), inventory(), transport.held()
         transport.call("ping", PingRequest(client_id="t"), 10.0)      # the pool grows: no leak
         pools = transport.held()
         assert pools["threads"] == before_pools["threads"] + 1
-        assert leaked(before, proc_figures(), before_pools, pools) == {"threads": 0, "fds": 0}
+        assert leaked(before, process_figures(), before_pools, pools) == {"threads": 0, "fds": 0}
         stray = threading.Thread(target=stop.wait, name="stray-worker", daemon=True)
         stray.start()
         r, w = os.pipe()
-        after, after_held, after_pools = proc_figures(), inventory(), transport.held()
+        after, after_held, after_pools = process_figures(), inventory(), transport.held()
         assert leaked(before, after, before_pools, after_pools) == {"threads": 1, "fds": 2}
         text = grown(before_held, after_held)
         assert "stray-worker x1" in text and "pipe x2" in text, text

@@ -19,9 +19,11 @@ import rospy
 
 from robot_offload.bandwidth import MIN_TRANSFER_S, PassiveEstimator, TransferSample, make_predictor
 from robot_offload.errors import OffloadError
+from robot_offload.health import bandwidth_report
 from robot_offload.msg import BandwidthEstimate, InferenceStats
 from robot_offload.protocol import PingRequest, raise_for_status
 from robot_offload.ros import logbridge
+from robot_offload.ros.diagnostics import NodeDiagnostics
 from robot_offload.ros.params import load_auth_secret
 from robot_offload.ros.transport import RosServiceTransport
 
@@ -45,6 +47,8 @@ class BandwidthMonitorNode:
         self.source = BandwidthEstimate.SOURCE_NONE
         self.probe_bytes_total = 0
         self.started = time.monotonic()
+        self.last_sample = None          # monotonic time of the last measurement used
+        self.probe_error = ""            # the last probe's failure ("" after a success)
         self.pub = rospy.Publisher("~estimate", BandwidthEstimate, queue_size=10)
         self.sub = rospy.Subscriber("stats", InferenceStats, self._on_stats, queue_size=100)
         self.transport = None
@@ -52,6 +56,9 @@ class BandwidthMonitorNode:
             self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"),
                                                  auth_secret=load_auth_secret())
             threading.Thread(target=self._probe_loop, name="probe", daemon=True).start()
+        # A measurement older than this is stale: several probe periods, at least 10 s.
+        self.stale_after_s = max(10.0, 3 * self.probe_period_s)
+        self.diagnostics = NodeDiagnostics("bandwidth", self._health_report)
         rospy.loginfo(f"bandwidth_monitor: predictor {predictor.name}, probes "
                       + (f"every {self.probe_period_s} s of {self.probe_bytes} B" if self.transport else "off"))
 
@@ -64,6 +71,7 @@ class BandwidthMonitorNode:
         with self._lock:
             if self.estimator.add(sample, None if base_rtt is None else base_rtt * msg.round_trips) is not None:
                 self.source = BandwidthEstimate.SOURCE_PASSIVE
+                self.last_sample = time.monotonic()
 
     def _ping(self, payload: bytes) -> float:
         t0 = time.perf_counter()
@@ -83,15 +91,29 @@ class BandwidthMonitorNode:
                 duration = self._ping(payload)
                 sample = TransferSample(t_s=time.time(), bytes=2 * len(payload), duration_s=duration)
                 with self._lock:
+                    self.probe_error = ""
                     if self.estimator.add(sample) is not None:
                         self.source = BandwidthEstimate.SOURCE_PROBE
+                        self.last_sample = time.monotonic()
                     elif self.probe_bytes < self.probe_bytes_max:
                         self.probe_bytes = min(2 * self.probe_bytes, self.probe_bytes_max)
                         rospy.loginfo(f"bandwidth_monitor: probe too short to show a rate; "
                                       f"now {self.probe_bytes} B")
             except OffloadError as e:
+                self.probe_error = str(e)[:200]
                 rospy.logwarn_throttle(10.0, f"bandwidth_monitor: probe failed: {e}")
             time.sleep(self.probe_period_s)
+
+    def _health_report(self):
+        now = time.monotonic()
+        with self._lock:
+            e = self.estimator
+            return bandwidth_report(
+                predicted_bps=e.predict_bps() if e.used else None, measured_bps=e.last_measured_bps,
+                rtt_s=e.srtt_s, sample_age_s=None if self.last_sample is None else now - self.last_sample,
+                uptime_s=now - self.started, stale_after_s=self.stale_after_s,
+                probing=self.transport is not None, predictor=e.predictor.name,
+                samples_used=e.used, samples_ignored=e.ignored, probe_error=self.probe_error)
 
     def spin(self):
         rate = rospy.Rate(self.rate_hz)

@@ -19,10 +19,12 @@ from robot_offload import codec, structure
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import ConfigError
 from robot_offload.frames import LatestFrame
+from robot_offload.health import ClientHealth
 from robot_offload.mode_control import ModeControl
 from robot_offload.msg import (BandwidthEstimate, InferenceResult, InferenceStats, PowerSample,
                                RobotActivity, Status)
 from robot_offload.ros import conversions as conv, logbridge
+from robot_offload.ros.diagnostics import NodeDiagnostics
 from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.srv import SetMode, SetModeResponse
@@ -56,6 +58,8 @@ class OffloadClientNode:
             self.sub = rospy.Subscriber("image", Image, self.slot.put, queue_size=2, buff_size=2 ** 24)
         else:
             self.sub = rospy.Subscriber("points", PointCloud2, self.slot.put, queue_size=2, buff_size=2 ** 25)
+        self.health = ClientHealth()
+        self.diagnostics = NodeDiagnostics("offload", self._health_report)
         if transport is not None:
             threading.Thread(target=self.client.connect, name="connect", daemon=True).start()
         self._worker = threading.Thread(target=self._run, name="inference", daemon=True)
@@ -103,6 +107,18 @@ class OffloadClientNode:
             except ValueError:
                 pass  # out of order: keep the window monotonic
 
+    def _health_report(self):
+        link = self.client.link
+        return self.health.report(
+            mode=self.client.mode, needs_server=self.client.needs_server(),
+            link_state=link.state if link is not None else "off",
+            link_error=link.last_error if link is not None and link.state != "up" else "",
+            server="" if link is None else " ".join(
+                p for p in (self.server_ns, link.device and f"on {link.device}",
+                            link.server_id and f"(id {link.server_id})") if p),
+            received=self.slot.received, processed=self.processed, dropped=self.slot.dropped,
+            fallbacks=self.client.fallbacks, input_topic=self.sub.resolved_name)
+
     # -- frames -------------------------------------------------------------------------
     def _to_frame(self, msg):
         if isinstance(msg, Image):
@@ -145,6 +161,8 @@ class OffloadClientNode:
             start_s=[t0 + offset for _, t0, _ in stats.intervals],
             end_s=[t1 + offset for _, _, t1 in stats.intervals]))
         latency_s = (rospy.Time.now() - msg.header.stamp).to_sec()
+        self.health.frame(stats.executed_mode, stats.fallback_reason, latency_s,
+                          self.slot.received, self.slot.dropped)
         self.stats_pub.publish(conv.stats_to_msg(
             stats, msg.header, latency_s,
             (self.slot.received, self.processed, self.slot.dropped, self.client.fallbacks)))

@@ -11,9 +11,11 @@ import time
 
 import rospy
 
+from robot_offload.health import RateMeter, power_report
 from robot_offload.msg import PowerSample, RobotActivity
 from robot_offload.power import (JetsonIna3221Source, PowerSourceUnavailable, RaplSource,
                                  StateModelSource, detect_source)
+from robot_offload.ros.diagnostics import NodeDiagnostics
 
 _SOURCES = {"jetson": JetsonIna3221Source, "rapl": RaplSource}
 
@@ -41,10 +43,17 @@ class PowerLoggerNode:
                                          "use auto, jetson, rapl or model")
         self.modelled = self.source.modelled
         self.energy_j = 0.0
+        self.started = time.monotonic()
+        self.published = RateMeter(window_s=10.0)
+        self.failures = RateMeter(window_s=10.0)
+        self.read_failures = 0
+        self.last_error = ""
+        self.rails = []
         self.pub = rospy.Publisher("power", PowerSample, queue_size=50)
         if self.modelled:
             self.source.set_state("idle", time.time())
             self.sub = rospy.Subscriber("activity", RobotActivity, self._on_activity, queue_size=100)
+        self.diagnostics = NodeDiagnostics("power", self._health_report)
         rospy.loginfo(f"power_logger: {self.source.describe()} at {self.rate_hz} Hz"
                       + (" (MODELLED, not measured)" if self.modelled else ""))
 
@@ -77,6 +86,9 @@ class PowerLoggerNode:
                 try:
                     reading = self.source.read()
                 except (OSError, ValueError, PowerSourceUnavailable) as e:
+                    self.read_failures += 1
+                    self.failures.tick()
+                    self.last_error = str(e)[:200]
                     rospy.logwarn_throttle(5.0, f"power_logger: read failed: {e}")
                     continue
                 t, watts, rails = reading.t_s, reading.watts, reading.rails
@@ -88,3 +100,15 @@ class PowerLoggerNode:
                               rail_watts=[float(v) for v in rails.values()])
             msg.header.stamp = rospy.Time.from_sec(t)
             self.pub.publish(msg)
+            self.rails = msg.rail_names
+            self.published.tick()
+
+    def _health_report(self):
+        now = time.monotonic()
+        last = self.published.last
+        return power_report(
+            source=self.source.name, description=self.source.describe(), modelled=self.modelled,
+            rails=self.rails, rate_hz=self.rate_hz, achieved_hz=self.published.rate_hz(now),
+            uptime_s=now - self.started, last_sample_age_s=None if last is None else now - last,
+            read_failures=self.read_failures, recent_failures=self.failures.count(now),
+            last_error=self.last_error)

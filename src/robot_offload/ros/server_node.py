@@ -6,8 +6,10 @@ import rospy
 
 from robot_offload.protocol import METHODS, StatusCode
 from robot_offload.ros import conversions as conv, logbridge
+from robot_offload.ros.diagnostics import NodeDiagnostics
 from robot_offload.ros.params import load_params, load_server_auth
 from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.server.health import ServerHealth, device_memory
 from robot_offload.srv import Compute, LoadModel, Ping
 
 
@@ -29,6 +31,9 @@ class OffloadServerNode:
                                                            conv.compute_resp_to_srv)),
             rospy.Service("~ping", Ping, self._wrap("ping", conv.ping_req_from_srv, conv.ping_resp_to_srv)),
         ]
+        self.health = ServerHealth()
+        self.diagnostics = NodeDiagnostics("server", lambda: self.health.report(
+            self.server.activity(), device_memory(self.server.device)))
         rospy.loginfo("offload_server %s ready on %s", self.server.server_id, self.server.device)
 
     def _wrap(self, method, from_srv, to_srv):
@@ -45,6 +50,7 @@ class OffloadServerNode:
         return handler
 
     def shutdown(self):
+        self.diagnostics.close()
         for s in self._services:
             s.shutdown()
         self.server.close()

@@ -11,7 +11,7 @@ import time
 import rospy
 
 from robot_offload import auth
-from robot_offload.soak import proc_figures
+from robot_offload.health import process_figures
 
 
 class RosServer:
@@ -82,7 +82,7 @@ class RosServer:
         point its growth is measured from: after it has served every mode once)."""
         inst = self.instances[-1]
         try:
-            fig = proc_figures(self._node_pid())
+            fig = process_figures(self._node_pid())
         except (OSError, KeyError):
             return
         if baseline:

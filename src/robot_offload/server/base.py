@@ -51,3 +51,7 @@ class Executor:
 
     def __call__(self, loaded: Optional[LoadedModel], req: ComputeRequest) -> ComputeResponse:
         raise NotImplementedError
+
+    def status(self) -> dict:
+        """This entry's own figures for the server's health report ({} = none)."""
+        return {}

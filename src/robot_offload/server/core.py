@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter, OrderedDict
 from typing import Dict, Optional
 
 import torch
@@ -28,6 +29,18 @@ from robot_offload.server.base import LoadedModel, RequestRejected
 from robot_offload.server.config import ServerConfig, resolve_device
 
 log = logging.getLogger(__name__)
+
+#: clients counted as active: a request in the last this many seconds
+CLIENT_WINDOW_S = 60.0
+#: client ids remembered for that count (any client_id may be sent: bounded)
+MAX_CLIENTS_TRACKED = 1024
+
+
+def _status_name(code) -> str:
+    try:
+        return StatusCode(code).name
+    except ValueError:
+        return "UNKNOWN"
 
 
 class OffloadServer:
@@ -54,25 +67,69 @@ class OffloadServer:
         self._load_locks: Dict[str, threading.Lock] = {}
         self.requests_total = 0
         self.requests_failed = 0
+        self.refused = Counter()                  # status name -> requests answered with it
+        self.in_flight = 0                        # requests being answered now
+        # client_id -> when its last request that passed authentication came (bounded,
+        # least recent dropped)
+        self._clients: "OrderedDict[str, float]" = OrderedDict()
         self.executors = executors.build(self)
 
     # -- dispatch ---------------------------------------------------------------------
     def handle(self, method: str, request):
         """Answer one request. Never raises: errors become a status in the response."""
+        with self._lock:
+            self.requests_total += 1
+            self.in_flight += 1
+        try:
+            response = self._handle(method, request)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+        status = getattr(response, "status", StatusCode.OK)
+        if status != StatusCode.OK:
+            with self._lock:
+                self.requests_failed += 1
+                self.refused[_status_name(status)] += 1
+        return response
+
+    def activity(self) -> dict:
+        """What the server is doing, for its health report
+        (:mod:`robot_offload.server.health`): request counts, requests in flight,
+        clients seen in the last ``CLIENT_WINDOW_S``, loaded models, the device, and each
+        executor's own figures (operator sandboxes or sessions)."""
+        now = time.monotonic()
+        with self._lock:
+            figures = {"requests": self.requests_total, "refused": dict(self.refused),
+                       "failed": self.requests_failed, "in_flight": self.in_flight,
+                       "clients": sum(1 for t in self._clients.values() if now - t <= CLIENT_WINDOW_S),
+                       "models": sorted(self._models), "device": str(self.device),
+                       "server_id": self.server_id, "client_window_s": CLIENT_WINDOW_S}
+        figures["executors"] = {entry: f for entry, f in
+                                ((entry, ex.status()) for entry, ex in self.executors.items()) if f}
+        return figures
+
+    def _seen(self, request) -> None:
+        client = getattr(request, "client_id", "")
+        if not isinstance(client, str) or not client:
+            return
+        with self._lock:
+            self._clients[client[:64]] = time.monotonic()
+            self._clients.move_to_end(client[:64])
+            while len(self._clients) > MAX_CLIENTS_TRACKED:
+                self._clients.popitem(last=False)
+
+    def _handle(self, method: str, request):
         handler, response_type = {
             "load_model": (self._load_model, LoadModelResponse),
             "compute": (self._compute, ComputeResponse),
             "ping": (self._ping, PingResponse),
         }.get(method, (None, None))
-        with self._lock:
-            self.requests_total += 1
         if handler is None:
             return ComputeResponse(status=StatusCode.UNKNOWN_ENTRY, status_text=f"unknown method {method!r}")
         denied = self._authenticate(method, request)
         if denied is not None:
-            with self._lock:
-                self.requests_failed += 1
             return response_type(status=StatusCode.UNAUTHORIZED, status_text=denied)
+        self._seen(request)
         try:
             self._admit(method, request)
             return handler(request)
@@ -88,8 +145,6 @@ class OffloadServer:
         except Exception as e:  # noqa: BLE001 - the server must survive any request
             log.exception("request %s failed", method)
             code, text = StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        with self._lock:
-            self.requests_failed += 1
         text = text[:2000]
         self._refusals.log(logging.WARNING, (method, int(code)),
                            f"{method} refused: {StatusCode(code).name} {text}")

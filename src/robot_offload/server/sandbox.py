@@ -301,6 +301,15 @@ class SandboxedOps(Executor):
         for w in workers:
             w.stop()
 
+    def status(self) -> dict:
+        """For the server's health report: sandboxes in use, their bound, and how many
+        ended under a request (crashed) or past ``max_request_s`` (stopped)."""
+        with self._lock:
+            alive = sum(1 for w in self._workers.values() if w.proc.poll() is None)
+            return {"sandboxes": alive, "max_sandboxes": self.server.config.max_sandboxes,
+                    "crashed": self.crashes, "stopped": self.kills,
+                    "spare ready": self._spare is not None and self._spare.proc.poll() is None}
+
     def pids(self) -> Dict[str, int]:
         with self._lock:
             return {ident: w.proc.pid for ident, w in self._workers.items()}

@@ -235,6 +235,11 @@ class OpsExecutor(Executor):
         self._budget_lock = threading.Lock()
         self._budgets: Dict[str, list] = {}      # identity -> [GFLOP left, monotonic time]
 
+    def status(self) -> dict:
+        """For the server's health report: open operator sessions and their bound."""
+        with self.store.lock:
+            return {"sessions": len(self.store.sessions), "max_sessions": self.server.config.max_sessions}
+
     def _loaded_models(self) -> list:
         with self.server._lock:
             return list(self.server._models.values())
