@@ -20,10 +20,17 @@ def test_kapao_tracking_launch_flows_and_switches_mode(launch):
         while len(people) < 3 and time.monotonic() < end:
             time.sleep(0.2)
         assert len(people) >= 3, "no People messages from person_tracker"
-        n0, t0 = len(people), time.monotonic()
-        time.sleep(3.0)
-        rate = (len(people) - n0) / (time.monotonic() - t0)
-        assert rate > 2.0, f"People at {rate:.1f} Hz, camera at 4 Hz"
+        # Every frame the client processes becomes People (the tracker drops none): compare
+        # with the client's own count over the same window, not with the camera's rate,
+        # which a loaded machine's inference cannot keep.
+        n0, s0 = len(people), len(stats)
+        end = time.monotonic() + 60
+        while len(stats) - s0 < 4 and time.monotonic() < end:
+            time.sleep(0.2)
+        time.sleep(1.0)           # the last frames' People are on their way
+        made, processed = len(people) - n0, len(stats) - s0
+        assert processed >= 4, "the client processed too few frames to compare"
+        assert made >= processed - 1, f"{made} People for {processed} processed frames"
         msg = people[-1]
         assert msg.header.frame_id == "camera" and msg.track_status in ("none", "tracking", "coasting")
         assert -1 <= msg.target_index < max(len(msg.people), 1)
