@@ -19,10 +19,13 @@ import abc
 import collections
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
+
+from robot_offload import checks
+from robot_offload.errors import ConfigError
 
 #: Transfers smaller than this are latency-bound and say little about bandwidth (bytes).
 MIN_TRANSFER_BYTES = 16 * 1024
@@ -395,3 +398,34 @@ def make_predictor(spec: str = "default") -> Predictor:
         return PREDICTOR_KINDS[kind](_ARG_TYPES[kind](arg))
     except ValueError as e:
         raise ValueError(f"bad predictor {spec!r}: {e}") from e
+
+
+@dataclass
+class BandwidthMonitorConfig:
+    """Settings of bandwidth_monitor (its ``~`` parameters)."""
+
+    predictor: str = "default"          # make_predictor's spec
+    rate_hz: float = 10.0               # BandwidthEstimate publishing rate (Hz)
+    probe_period_s: float = 0.0         # active probe period (s); 0 = passive only
+    probe_bytes: int = 256 * 1024       # probe payload, echoed back (bytes)
+    probe_bytes_max: int = 4 * 1024 * 1024  # a too-short probe doubles up to this (bytes)
+    probe_timeout_s: float = 2.0        # deadline of one probe (s)
+    min_sample_s: float = MIN_TRANSFER_S    # shorter transfers on the link are ignored (s)
+    server_ns: str = "/offload_server"  # whom to probe
+
+    def validate(self) -> "BandwidthMonitorConfig":
+        checks.text("predictor", self.predictor)
+        try:
+            make_predictor(self.predictor)
+        except ValueError as e:
+            raise ConfigError(f"predictor: {e}") from e
+        probe_bytes = checks.integer("probe_bytes", self.probe_bytes, 1, 1 << 30)
+        return replace(
+            self, rate_hz=checks.number("rate_hz", self.rate_hz, 0.0, 1000.0, low_open=True),
+            probe_period_s=checks.number("probe_period_s", self.probe_period_s, 0.0, 86400.0),
+            probe_bytes=probe_bytes,
+            # a maximum below the start size means "do not grow"
+            probe_bytes_max=max(probe_bytes, checks.integer("probe_bytes_max", self.probe_bytes_max, 1, 1 << 30)),
+            probe_timeout_s=checks.number("probe_timeout_s", self.probe_timeout_s, 0.0, 3600.0, low_open=True),
+            min_sample_s=checks.number("min_sample_s", self.min_sample_s, 0.0, 60.0),
+            server_ns=checks.ros_namespace("server_ns", self.server_ns))

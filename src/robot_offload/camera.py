@@ -3,12 +3,16 @@ needs no hardware), natural-statistics noise (``natural``: what compression sees
 photograph, not in a flat pattern), a folder of images, a video file or a V4L2 device.
 All return RGB uint8 H x W x 3 arrays; ``read()`` returns None at the end of a non-looping source."""
 
+import dataclasses
 import glob
+import math
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
+from robot_offload import checks
 from robot_offload.errors import ConfigError
 
 _IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm")
@@ -159,7 +163,6 @@ class VideoSource:
 
 def pinhole_k(width: int, height: int, hfov_deg: float) -> list:
     """Row-major 3x3 camera matrix of an ideal pinhole with a horizontal field of view."""
-    import math
     f = width / (2.0 * math.tan(math.radians(hfov_deg) / 2.0))
     return [f, 0.0, (width - 1) / 2.0, 0.0, f, (height - 1) / 2.0, 0.0, 0.0, 1.0]
 
@@ -177,3 +180,39 @@ def open_source(source: str, width: int = 640, height: int = 480, loop: bool = T
         return VideoSource(source, loop, width, height)
     raise ConfigError(f"unknown camera source {source!r}: use synthetic, natural, a folder, a video file "
                       f"or /dev/videoN")
+
+
+@dataclass
+class CameraConfig:
+    """Settings of camera_node (its ``~`` parameters)."""
+
+    source: str = "synthetic"       # see open_source
+    rate_hz: float = 10.0           # publishing rate (Hz)
+    frame_id: str = "camera"        # header.frame_id of the images
+    width: int = 640                # synthetic / requested capture size (px)
+    height: int = 480
+    loop: bool = True               # restart a folder or video at its end
+    seed: int = 0                   # synthetic pattern
+    camera_matrix: Sequence[float] = ()   # row-major K of camera_info; () = pinhole_k(hfov_deg)
+    hfov_deg: float = 69.4          # horizontal field of view of the ideal pinhole (deg)
+    publish_depth: bool = False     # synthetic source only: a registered depth image
+
+    def validate(self) -> "CameraConfig":
+        source = self.source
+        if isinstance(source, int) and not isinstance(source, bool) and source >= 0:
+            source = str(source)    # a device index given as a number (source:=0)
+        k = self.camera_matrix
+        if isinstance(k, str) or not isinstance(k, (list, tuple)) or len(k) not in (0, 9):
+            raise ConfigError(f"camera_matrix must be [] or 9 numbers (row-major K), got {k!r}")
+        k = tuple(checks.number(f"camera_matrix[{i}]", v) for i, v in enumerate(k))
+        frame_id = checks.text("frame_id", self.frame_id, empty=False)
+        if frame_id.startswith("/") or any(c.isspace() for c in frame_id):
+            raise ConfigError(f"frame_id must be a TF frame id (no leading '/'), got {frame_id!r}")
+        return dataclasses.replace(
+            self, source=checks.text("source", source),
+            rate_hz=checks.number("rate_hz", self.rate_hz, 0.0, 1000.0, low_open=True),
+            width=checks.integer("width", self.width, 1, 16384),
+            height=checks.integer("height", self.height, 1, 16384),
+            loop=checks.flag("loop", self.loop), seed=checks.integer("seed", self.seed, 0, 2 ** 32 - 1),
+            camera_matrix=k, hfov_deg=checks.number("hfov_deg", self.hfov_deg, 0.0, 179.0, low_open=True),
+            publish_depth=checks.flag("publish_depth", self.publish_depth))

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from robot_offload import backends
+from robot_offload import backends, checks
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError, RemoteError, TransportError
@@ -68,6 +68,11 @@ class ClientConfig:
     # who may switch the mode after start (robot_offload.mode_control): open (the ~mode
     # parameter and the set_mode service), service (set_mode only), locked (neither)
     mode_control: str = "open"
+    # the node around the client (offload_client)
+    server_ns: str = "/offload_server"  # where the server's services are
+    use_server: bool = True         # false: local only, no server connection attempted
+    publish_outputs: bool = True    # publish InferenceResult on ~result
+    result_codec: str = "raw"       # codec of the published outputs
 
     def validate(self) -> "ClientConfig":
         get_spec(self.model)
@@ -78,6 +83,7 @@ class ClientConfig:
         if not self.timeout_s > 0 or not self.retry_interval_s > 0 or not self.load_timeout_s > 0:
             raise ConfigError("timeout_s, retry_interval_s and load_timeout_s must be positive")
         for name, value, known in (("codec", self.codec, CODECS), ("output_codec", self.output_codec, CODECS),
+                                   ("result_codec", self.result_codec, CODECS),
                                    ("compression", self.compression, COMPRESSIONS)):
             if value not in known:
                 raise ConfigError(f"unknown {name} {value!r}; known: {list(known)}")
@@ -99,6 +105,9 @@ class ClientConfig:
             bad = [v for v in values if v not in known]
             if bad:
                 raise ConfigError(f"unknown {name} {bad}; known: {list(known)}")
+        checks.ros_namespace("server_ns", self.server_ns)
+        checks.flag("use_server", self.use_server)
+        checks.flag("publish_outputs", self.publish_outputs)
         return self
 
 

@@ -32,9 +32,10 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from robot_offload.errors import OffloadError
+from robot_offload import checks
+from robot_offload.errors import ConfigError, OffloadError
 
 #: Table 3 of Intra-DP (W).
 COMPUTE_W = 13.35
@@ -425,6 +426,33 @@ def detect_source(sysfs_root="/", clock=time.monotonic, **model_kwargs):
         except PowerSourceUnavailable:
             continue
     return StateModelSource(clock=clock, **model_kwargs)
+
+
+@dataclass
+class PowerLoggerConfig:
+    """Settings of power_logger (its ``~`` parameters)."""
+
+    source: str = "auto"            # auto (jetson, then rapl, then model) | jetson | rapl | model
+    sysfs_root: str = "/"           # root of the sysfs tree to read
+    rate_hz: float = 10.0           # sampling / publishing rate (Hz)
+    model_lag_s: float = 0.5        # model: samples describe now minus this (s)
+    compute_w: float = COMPUTE_W    # model: power while computing (W)
+    transmit_w: float = TRANSMIT_W  # model: power while transmitting (W)
+    idle_w: float = IDLE_W          # model: power while waiting (W)
+
+    SOURCES = ("auto", "jetson", "rapl", "model")
+
+    def validate(self) -> "PowerLoggerConfig":
+        if self.source not in self.SOURCES:
+            raise ConfigError(f"unknown source {self.source!r}; known: {list(self.SOURCES)}")
+        watts = {name: checks.number(name, getattr(self, name), 0.0, 10000.0)
+                 for name in ("compute_w", "transmit_w", "idle_w")}
+        if not (watts["compute_w"] >= watts["idle_w"] and watts["transmit_w"] >= watts["idle_w"]):
+            raise ConfigError("need compute_w >= idle_w and transmit_w >= idle_w, got "
+                              f"{watts['compute_w']}, {watts['transmit_w']}, {watts['idle_w']}")
+        return replace(self, sysfs_root=checks.text("sysfs_root", self.sysfs_root, empty=False),
+                       rate_hz=checks.number("rate_hz", self.rate_hz, 0.0, 1000.0, low_open=True),
+                       model_lag_s=checks.number("model_lag_s", self.model_lag_s, 0.0, 60.0), **watts)
 
 
 # -- integration -------------------------------------------------------------------------

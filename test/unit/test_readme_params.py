@@ -125,6 +125,16 @@ def _imports(tree):
     return out
 
 
+def config_types(tree):
+    """The dataclasses that the module ``tree`` passes to ``load_params``."""
+    imports, out = _imports(tree), []
+    for call in ast.walk(tree):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id == "load_params" and call.args and isinstance(call.args[0], ast.Name)):
+            out.append(getattr(importlib.import_module(imports[call.args[0].id]), call.args[0].id))
+    return out
+
+
 def node_modules():
     """``{node executable: its module's source path}`` from ``nodes/*``."""
     out = {}
@@ -142,14 +152,11 @@ def code_params():
     for node, path in node_modules().items():
         tree = ast.parse(path.read_text())
         params = _param_reads(tree)
-        imports = _imports(tree)
-        for call in ast.walk(tree):
-            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                    and call.func.id == "load_params" and call.args and isinstance(call.args[0], ast.Name)):
-                cls = getattr(importlib.import_module(imports[call.args[0].id]), call.args[0].id)
-                for f in dataclasses.fields(cls):
-                    default = f.default if f.default is not dataclasses.MISSING else _UNKNOWN
-                    params.setdefault("~" + f.name, default)
+        for cls in config_types(tree):
+            for f in dataclasses.fields(cls):
+                default = f.default if f.default is not dataclasses.MISSING else _UNKNOWN
+                if params.get("~" + f.name, _UNKNOWN) is _UNKNOWN:   # a run-time re-read's default
+                    params["~" + f.name] = default
         for name in _called_names(tree) & set(helpers):
             for k, v in helpers[name].items():
                 params.setdefault(k, v)

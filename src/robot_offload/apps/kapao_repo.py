@@ -20,6 +20,7 @@ the robot; nothing received over the network is ever loaded this way.
 """
 
 import contextlib
+import dataclasses
 import pickle
 
 import os
@@ -30,9 +31,44 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from robot_offload import checks
 from robot_offload.apps.kapao_post import Pose
 from robot_offload.errors import ConfigError
 from robot_offload.stats import FrameStats
+from robot_offload.transparent.session import MODES as SESSION_MODES
+
+#: the kapao_repo node's modes: the model on the robot, or offloaded by a session's mode
+KAPAO_MODES = ("local",) + SESSION_MODES
+
+
+@dataclasses.dataclass
+class KapaoRepoConfig:
+    """Settings of the kapao_repo node (its ``~`` parameters)."""
+
+    kapao_repo: str = ""            # path of a KAPAO checkout (required)
+    weights: str = ""               # its weights file (required)
+    data: str = "data/coco-kp.yaml"  # data yaml, relative to the checkout
+    imgsz: int = 1280               # inference size (px)
+    mode: str = "record_replay"     # start mode; the node reads ~mode again every frame
+    server_ns: str = "/offload_server"
+    timeout_s: float = 5.0          # deadline of one server call (s); past it the frame runs locally
+    conf_thres: float = 0.5
+    conf_thres_kp: float = 0.5
+    trust_checkpoint: bool = False  # load a pickled checkpoint (runs code from the file)
+
+    def validate(self) -> "KapaoRepoConfig":
+        for name in ("kapao_repo", "weights"):
+            checks.text(name, getattr(self, name), empty=False)
+        if self.mode not in KAPAO_MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; known: {list(KAPAO_MODES)}")
+        return dataclasses.replace(
+            self, data=checks.text("data", self.data, empty=False),
+            imgsz=checks.integer("imgsz", self.imgsz, 32, 8192),
+            server_ns=checks.ros_namespace("server_ns", self.server_ns),
+            timeout_s=checks.number("timeout_s", self.timeout_s, 0.0, 3600.0, low_open=True),
+            conf_thres=checks.number("conf_thres", self.conf_thres, 0.0, 1.0),
+            conf_thres_kp=checks.number("conf_thres_kp", self.conf_thres_kp, 0.0, 1.0),
+            trust_checkpoint=checks.flag("trust_checkpoint", self.trust_checkpoint))
 
 
 class KapaoRepoRunner:

@@ -23,13 +23,16 @@ Conventions
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from robot_offload import checks
 from robot_offload.apps.kapao_post import TORSO_KEYPOINTS, Pose
+from robot_offload.errors import ConfigError
+from robot_offload.frames import check_pairing
 
 __all__ = [
     "CHI2_3DOF_997",
@@ -400,6 +403,51 @@ class TrackerConfig:
             raise ValueError(f"initial_selection must be 'closest' or 'largest', got {self.initial_selection!r}")
         if self.max_coast_s < 0:
             raise ValueError("max_coast_s must be >= 0")
+
+
+@dataclass
+class PersonTrackerNodeConfig:
+    """Settings of the person_tracker node (its ``~`` parameters); :meth:`tracker` is the
+    filter's part."""
+
+    input: str = "result"           # result (registry KAPAO output, decoded here) | people (decoded poses)
+    model_input_size: Sequence[int] = (1280, 1280)   # [H, W] the model ran at
+    conf_thres_pose: float = 0.3
+    conf_thres_kp: float = 0.3
+    iou_thres: float = 0.45
+    max_coast_s: float = 1.0
+    process_noise_std_mps2: float = 2.0
+    measurement_noise_std_m: float = 0.1
+    min_keypoints: int = 3
+    depth_window_px: int = 5
+    sync_queue_size: int = 60
+    sync_slop_s: float = 0.01
+
+    def validate(self) -> "PersonTrackerNodeConfig":
+        if self.input not in ("result", "people"):
+            raise ConfigError(f"input must be 'result' or 'people', got {self.input!r}")
+        hw = self.model_input_size
+        if isinstance(hw, str) or not isinstance(hw, (list, tuple)) or len(hw) != 2:
+            raise ConfigError(f"model_input_size must be [H, W], got {hw!r}")
+        queue, slop = check_pairing(self.sync_queue_size, self.sync_slop_s)
+        return replace(
+            self, model_input_size=tuple(checks.integer("model_input_size", v, 1, 16384) for v in hw),
+            conf_thres_pose=checks.number("conf_thres_pose", self.conf_thres_pose, 0.0, 1.0),
+            conf_thres_kp=checks.number("conf_thres_kp", self.conf_thres_kp, 0.0, 1.0),
+            iou_thres=checks.number("iou_thres", self.iou_thres, 0.0, 1.0),
+            max_coast_s=checks.number("max_coast_s", self.max_coast_s, 0.0, 3600.0),
+            process_noise_std_mps2=checks.number("process_noise_std_mps2", self.process_noise_std_mps2,
+                                                 0.0, 1000.0, low_open=True),
+            measurement_noise_std_m=checks.number("measurement_noise_std_m", self.measurement_noise_std_m,
+                                                  0.0, 1000.0, low_open=True),
+            min_keypoints=checks.integer("min_keypoints", self.min_keypoints, 1, 1000),
+            depth_window_px=checks.integer("depth_window_px", self.depth_window_px, 0, 1000),
+            sync_queue_size=queue, sync_slop_s=slop)
+
+    def tracker(self) -> TrackerConfig:
+        return TrackerConfig(max_coast_s=self.max_coast_s, process_noise_std_mps2=self.process_noise_std_mps2,
+                             measurement_noise_std_m=self.measurement_noise_std_m,
+                             min_keypoints=self.min_keypoints, depth_window_px=self.depth_window_px)
 
 
 class PersonTracker:

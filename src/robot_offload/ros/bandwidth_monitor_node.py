@@ -17,14 +17,14 @@ import time
 
 import rospy
 
-from robot_offload.bandwidth import MIN_TRANSFER_S, PassiveEstimator, TransferSample, make_predictor
-from robot_offload.errors import OffloadError
+from robot_offload.bandwidth import BandwidthMonitorConfig, PassiveEstimator, TransferSample, make_predictor
+from robot_offload.errors import ConfigError, OffloadError
 from robot_offload.health import bandwidth_report
 from robot_offload.msg import BandwidthEstimate, InferenceStats
 from robot_offload.protocol import PingRequest, raise_for_status
 from robot_offload.ros import logbridge
 from robot_offload.ros.diagnostics import NodeDiagnostics
-from robot_offload.ros.params import load_auth_secret
+from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
 
 
@@ -35,14 +35,17 @@ def _nan(v):
 class BandwidthMonitorNode:
     def __init__(self):
         logbridge.cache_rosout_flag()
-        self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
-        self.probe_period_s = float(rospy.get_param("~probe_period_s", 0.0))
-        self.probe_bytes = int(rospy.get_param("~probe_bytes", 256 * 1024))
-        self.probe_bytes_max = max(self.probe_bytes, int(rospy.get_param("~probe_bytes_max", 4 * 1024 * 1024)))
-        self.probe_timeout_s = float(rospy.get_param("~probe_timeout_s", 2.0))
-        predictor = make_predictor(rospy.get_param("~predictor", "default"))
-        self.estimator = PassiveEstimator(
-            predictor, min_duration_s=float(rospy.get_param("~min_sample_s", MIN_TRANSFER_S)))
+        try:
+            c = self.config = load_params(BandwidthMonitorConfig)
+        except ConfigError as e:
+            raise rospy.ROSInitException(f"bandwidth_monitor: {e}") from e
+        self.rate_hz = c.rate_hz
+        self.probe_period_s = c.probe_period_s
+        self.probe_bytes = c.probe_bytes
+        self.probe_bytes_max = c.probe_bytes_max
+        self.probe_timeout_s = c.probe_timeout_s
+        predictor = make_predictor(c.predictor)
+        self.estimator = PassiveEstimator(predictor, min_duration_s=c.min_sample_s)
         self._lock = threading.Lock()
         self.source = BandwidthEstimate.SOURCE_NONE
         self.probe_bytes_total = 0
@@ -53,7 +56,7 @@ class BandwidthMonitorNode:
         self.sub = rospy.Subscriber("stats", InferenceStats, self._on_stats, queue_size=100)
         self.transport = None
         if self.probe_period_s > 0:
-            self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"),
+            self.transport = RosServiceTransport(c.server_ns,
                                                  auth_secret=load_auth_secret())
             threading.Thread(target=self._probe_loop, name="probe", daemon=True).start()
         # A measurement older than this is stale: several probe periods, at least 10 s.

@@ -4,28 +4,30 @@ with the capture time, so that latency can be measured end to end."""
 import rospy
 from sensor_msgs.msg import CameraInfo, Image
 
-from robot_offload.camera import SyntheticSource, open_source, pinhole_k
+from robot_offload.camera import CameraConfig, SyntheticSource, open_source, pinhole_k
+from robot_offload.errors import ConfigError
+from robot_offload.ros.params import load_params
 
 
 class CameraNode:
     def __init__(self):
-        self.source_name = rospy.get_param("~source", "synthetic")
-        self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
-        self.frame_id = rospy.get_param("~frame_id", "camera")
-        width = int(rospy.get_param("~width", 640))
-        height = int(rospy.get_param("~height", 480))
-        self.source = open_source(self.source_name, width, height, rospy.get_param("~loop", True),
-                                  int(rospy.get_param("~seed", 0)))
+        try:
+            c = self.config = load_params(CameraConfig)
+            self.source = open_source(c.source, c.width, c.height, c.loop, c.seed)
+        except ConfigError as e:
+            raise rospy.ROSInitException(f"camera_node: {e}") from e
+        self.source_name, self.rate_hz, self.frame_id = c.source, c.rate_hz, c.frame_id
+        width, height = c.width, c.height
         self.pub = rospy.Publisher("image", Image, queue_size=2)
         # camera_info: from ~camera_matrix (row-major K) when given, else an ideal pinhole
         # with ~hfov_deg; depth: only the synthetic source can make one (registered).
-        k = rospy.get_param("~camera_matrix", []) or pinhole_k(width, height, float(rospy.get_param("~hfov_deg", 69.4)))
+        k = list(c.camera_matrix) or pinhole_k(width, height, c.hfov_deg)
         self.info = CameraInfo(width=width, height=height, K=list(map(float, k)), distortion_model="plumb_bob",
                                D=[0.0] * 5, R=[1, 0, 0, 0, 1, 0, 0, 0, 1],
                                P=[k[0], 0, k[2], 0, 0, k[4], k[5], 0, 0, 0, 1, 0])
         self.info_pub = rospy.Publisher("camera_info", CameraInfo, queue_size=2)
         self.depth_pub = None
-        if rospy.get_param("~publish_depth", False):
+        if c.publish_depth:
             if not isinstance(self.source, SyntheticSource):
                 raise rospy.ROSInitException("camera_node: ~publish_depth needs the synthetic source; "
                                              "use your depth camera's driver otherwise")

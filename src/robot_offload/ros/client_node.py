@@ -34,12 +34,11 @@ class OffloadClientNode:
     def __init__(self):
         logbridge.install()
         self.config = load_params(ClientConfig)
-        self.server_ns = rospy.get_param("~server_ns", "/offload_server")
-        self.publish_outputs = rospy.get_param("~publish_outputs", True)
-        self.result_codec = rospy.get_param("~result_codec", "raw")
-        use_server = rospy.get_param("~use_server", True)
+        self.server_ns = self.config.server_ns
+        self.publish_outputs = self.config.publish_outputs
+        self.result_codec = self.config.result_codec
         transport = (RosServiceTransport(self.server_ns, auth_secret=load_auth_secret())
-                     if use_server else None)
+                     if self.config.use_server else None)
         self.client = OffloadClient(self.config, transport)
         self.mode_control = ModeControl(self.config.mode_control, self.client.mode)
         self._mode_param = rospy.resolve_name("~mode")

@@ -18,31 +18,31 @@ import rospy
 from sensor_msgs.msg import Image
 
 from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES
-from robot_offload.apps.kapao_repo import KapaoRepoRunner
+from robot_offload.apps.kapao_repo import KAPAO_MODES, KapaoRepoConfig, KapaoRepoRunner
+from robot_offload.errors import ConfigError
 from robot_offload.frames import LatestFrame
 from robot_offload.msg import InferenceStats, People, Person
 from robot_offload.ros import conversions as conv
-from robot_offload.ros.params import load_auth_secret
+from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.stats import FrameStats
 from robot_offload.transparent.session import MODES, RemoteSession
 
-ALL_MODES = ("local",) + MODES
-
 
 class KapaoRepoNode:
     def __init__(self):
-        self.runner = KapaoRepoRunner(
-            rospy.get_param("~kapao_repo"), rospy.get_param("~weights"),
-            data=rospy.get_param("~data", "data/coco-kp.yaml"), imgsz=int(rospy.get_param("~imgsz", 1280)),
-            conf_thres=float(rospy.get_param("~conf_thres", 0.5)),
-            conf_thres_kp=float(rospy.get_param("~conf_thres_kp", 0.5)),
-            trust_checkpoint=bool(rospy.get_param("~trust_checkpoint", False)))
-        self.transport = RosServiceTransport(rospy.get_param("~server_ns", "/offload_server"))
+        try:
+            c = self.config = load_params(KapaoRepoConfig)
+            self.runner = KapaoRepoRunner(c.kapao_repo, c.weights, data=c.data, imgsz=c.imgsz,
+                                          conf_thres=c.conf_thres, conf_thres_kp=c.conf_thres_kp,
+                                          trust_checkpoint=c.trust_checkpoint)
+        except ConfigError as e:
+            raise rospy.ROSInitException(f"kapao_repo: {e}") from e
+        self.transport = RosServiceTransport(c.server_ns)
         secret = load_auth_secret()
         if secret:
             self.transport.set_auth_secret(secret)
-        timeout_s = float(rospy.get_param("~timeout_s", 5.0))
+        timeout_s = c.timeout_s
         self.sessions = {m: RemoteSession(lambda r, t: self.transport.call("compute", r, t), mode=m,
                                           timeout_s=timeout_s, local_fallback=True) for m in MODES}
         from cv_bridge import CvBridge
@@ -60,9 +60,9 @@ class KapaoRepoNode:
                 self.process(item[0])
 
     def process(self, msg):
-        mode = rospy.get_param("~mode", "record_replay")
-        if mode not in ALL_MODES:
-            rospy.logwarn_throttle(5.0, f"kapao_repo: unknown mode {mode!r}; known: {list(ALL_MODES)}")
+        mode = rospy.get_param("~mode", self.config.mode)     # read every frame: rosparam set switches it
+        if mode not in KAPAO_MODES:
+            rospy.logwarn_throttle(5.0, f"kapao_repo: unknown mode {mode!r}; known: {list(KAPAO_MODES)}")
             mode = "local"
         image = self.bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
         session = self.sessions.get(mode)

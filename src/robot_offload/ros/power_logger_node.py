@@ -13,22 +13,24 @@ import rospy
 
 from robot_offload.health import RateMeter, power_report
 from robot_offload.msg import PowerSample, RobotActivity
-from robot_offload.power import (JetsonIna3221Source, PowerSourceUnavailable, RaplSource,
+from robot_offload.errors import ConfigError
+from robot_offload.power import (JetsonIna3221Source, PowerLoggerConfig, PowerSourceUnavailable, RaplSource,
                                  StateModelSource, detect_source)
 from robot_offload.ros.diagnostics import NodeDiagnostics
+from robot_offload.ros.params import load_params
 
 _SOURCES = {"jetson": JetsonIna3221Source, "rapl": RaplSource}
 
 
 class PowerLoggerNode:
     def __init__(self):
-        kind = rospy.get_param("~source", "auto")
-        sysfs_root = rospy.get_param("~sysfs_root", "/")
-        self.rate_hz = float(rospy.get_param("~rate_hz", 10.0))
-        self.model_lag_s = float(rospy.get_param("~model_lag_s", 0.5))
-        watts = dict(compute_w=float(rospy.get_param("~compute_w", 13.35)),
-                     transmit_w=float(rospy.get_param("~transmit_w", 4.25)),
-                     idle_w=float(rospy.get_param("~idle_w", 4.04)))
+        try:
+            c = self.config = load_params(PowerLoggerConfig)
+        except ConfigError as e:
+            raise rospy.ROSInitException(f"power_logger: {e}") from e
+        kind, sysfs_root = c.source, c.sysfs_root
+        self.rate_hz, self.model_lag_s = c.rate_hz, c.model_lag_s
+        watts = dict(compute_w=c.compute_w, transmit_w=c.transmit_w, idle_w=c.idle_w)
         if kind == "auto":
             self.source = detect_source(sysfs_root, clock=time.time, **watts)
         elif kind == "model":

@@ -19,11 +19,11 @@ from sensor_msgs.msg import CameraInfo, Image
 
 from robot_offload import codec, structure
 from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES, Pose, decode_poses, rescale_poses
-from robot_offload.apps.tracking import CameraIntrinsics, PersonTracker, TrackerConfig
+from robot_offload.apps.tracking import CameraIntrinsics, PersonTracker, PersonTrackerNodeConfig
 from robot_offload.errors import ConfigError
-from robot_offload.frames import check_pairing
 from robot_offload.msg import InferenceResult, People, Person
 from robot_offload.ros.conversions import tensor_from_msg
+from robot_offload.ros.params import load_params
 from robot_offload.ros.stamp_sync import StampPairing
 
 PAIRING_HINT = ("Check that depth_topic and camera_info_topic are the registered depth of the colour "
@@ -33,30 +33,21 @@ PAIRING_HINT = ("Check that depth_topic and camera_info_topic are the registered
 
 class TrackerNode:
     def __init__(self):
-        self.model_input_hw = tuple(rospy.get_param("~model_input_size", [1280, 1280]))
-        self.conf_pose = float(rospy.get_param("~conf_thres_pose", 0.3))
-        self.conf_kp = float(rospy.get_param("~conf_thres_kp", 0.3))
-        self.iou = float(rospy.get_param("~iou_thres", 0.45))
-        self.tracker = PersonTracker(TrackerConfig(
-            max_coast_s=float(rospy.get_param("~max_coast_s", 1.0)),
-            process_noise_std_mps2=float(rospy.get_param("~process_noise_std_mps2", 2.0)),
-            measurement_noise_std_m=float(rospy.get_param("~measurement_noise_std_m", 0.1)),
-            min_keypoints=int(rospy.get_param("~min_keypoints", 3)),
-            depth_window_px=int(rospy.get_param("~depth_window_px", 5))))
         try:
-            queue, slop = check_pairing(rospy.get_param("~sync_queue_size", 60),
-                                        rospy.get_param("~sync_slop_s", 0.01))
+            c = self.config = load_params(PersonTrackerNodeConfig)
         except ConfigError as e:
             raise rospy.ROSInitException(f"person_tracker: {e}") from e
+        self.model_input_hw = c.model_input_size
+        self.conf_pose, self.conf_kp, self.iou = c.conf_thres_pose, c.conf_thres_kp, c.iou_thres
+        self.tracker = PersonTracker(c.tracker())
+        queue, slop = c.sync_queue_size, c.sync_slop_s
         from cv_bridge import CvBridge
         self._bridge = CvBridge()
         self.target_pub = rospy.Publisher("~target", PointStamped, queue_size=10)
         self.people_pub = rospy.Publisher("~people", People, queue_size=10)
         # ~input: "result" (offload_client's raw KAPAO output: decoded here) or "people"
         # (poses already decoded by another node, e.g. kapao_repo running the real KAPAO code)
-        self.input = rospy.get_param("~input", "result")
-        if self.input not in ("result", "people"):
-            raise rospy.ROSInitException(f"person_tracker: ~input must be 'result' or 'people', got {self.input!r}")
+        self.input = c.input
         if self.input == "people":
             first = Subscriber("people_in", People, queue_size=2)
             handler = self._on_people
