@@ -21,8 +21,6 @@ ALLOWED = {
     # the mode switch: read again every frame so `rosparam set` takes effect; its start value
     # and default come from KapaoRepoConfig.mode
     ("kapao_repo_node.py", "~mode"): "run-time",
-    # a start-time read whose config dataclass (ServerConfig, server/config.py) lacks the field
-    ("server_node.py", "~preload"): "start-time",
 }
 
 

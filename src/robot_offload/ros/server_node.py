@@ -19,7 +19,7 @@ class OffloadServerNode:
         self.config = load_params(ServerConfig)
         secret, keys = load_server_auth()
         self.server = OffloadServer(self.config, auth_secret=secret, auth_keys=keys)
-        for name in rospy.get_param("~preload", []):
+        for name in self.config.preload:
             self.server.load(name)
         warm = getattr(self.server.executors.get("ops"), "warm", None)
         if warm is not None:

@@ -21,6 +21,7 @@ class ServerConfig:
     max_request_bytes: int = 256 * 1024 * 1024  # summed tensor payload of one request (bytes)
     max_input_elements: int = 64 * 1024 * 1024  # elements of one decoded input tensor
     allowed_models: tuple = ()           # empty: every registry model may be loaded
+    preload: tuple = ()                  # models built at start (the server node)
     # client_id -> models that client may load and use ({} = no per-client lists; key "*":
     # every client not listed). Refusals are UNAUTHORIZED. client_id is only as
     # trustworthy as the (shared-secret) authentication: see robot_offload.auth.
