@@ -15,7 +15,7 @@ import torch
 from robot_offload import backends, checks
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
-from robot_offload.errors import ConfigError, RemoteError, TransportError
+from robot_offload.errors import ConfigError, OffloadTimeout, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
@@ -208,6 +208,9 @@ class OffloadClient:
                 stats.executed_mode = mode
             except (TransportError, RemoteError) as e:
                 stats.fallback_reason = f"{type(e).__name__}: {e}"
+                if isinstance(e, OffloadTimeout):
+                    stats.fallback_reason += (f" (the frame's deadline, ~timeout_s = {self.config.timeout_s:g} s: "
+                                              "raise it if the server or link is only slow)")
                 self.link.mark_down(stats.fallback_reason)
         if outputs is None:
             if backend.needs_server:
