@@ -99,6 +99,10 @@ def main(argv=None):
             os.killpg(launch.pid, signal.SIGKILL)
     summary = summarise(rows)
     print(markdown_table(summary))
+    print("fps: frames published per second; below the camera's rate when a frame takes longer than "
+          "the camera period (the client then takes the newest frame and drops the rest).\n"
+          "fallbacks: frames of an offloading mode computed locally instead (deadline missed, "
+          "server not reachable yet); InferenceStats.fallback_reason says why.")
     missing = [m for m in args.modes if m not in {s["mode"] for s in summary}]
     if missing:
         print(f"demo: no frames for {missing}", file=sys.stderr)
