@@ -28,7 +28,7 @@ def _robot_side_run(config) -> bool:
 def pytest_ignore_collect(collection_path, config):
     if (_robot_side_run(config) and collection_path.suffix == ".py"
             and collection_path.name.startswith("test_")
-            and "robot_side" not in collection_path.read_text()):
+            and "mark.robot_side" not in collection_path.read_text()):
         return True
     return None
 

@@ -98,12 +98,38 @@ def test_each_mode_computes_what_the_robot_computes(server, tmp_path, mode):
             y, stats = c.infer(x)
             assert stats.executed_mode == mode and not stats.fallback_reason, stats.fallback_reason
             phases.append(stats.phase)
+            print(f"{mode}: plan {stats.plan!r}, {stats.bytes_up} bytes up, {stats.round_trips} round trips")
             with torch.inference_mode():
                 _same(y, c.model(x))
         if mode in ("full_offload", "transparent", "record_replay"):
             assert stats.bytes_up > 0 and stats.round_trips >= 1
         if mode == "record_replay":
             assert phases[-1] == "replaying", phases
+    finally:
+        c.close()
+
+
+def test_every_layer_partition_cut_joins_the_two_sides(server, tmp_path):
+    """The head on the robot's torch, the tail on the server's: each side cuts its own
+    trace of the model at the same node."""
+    from robot_offload.partition.planner import plan_for
+    from robot_offload.stats import FrameStats
+    c = _client("layer_partition", profile_dir=str(tmp_path))
+    try:
+        assert c.connect(), c.link.last_error
+        b = c._get_backend("layer_partition")
+        b.calibration_inputs, b.profile_repeats = 1, 1
+        x = c.spec.example_input(c.input_size, seed=3)
+        st = b.state(x)
+        with torch.inference_mode():
+            ref = c.model(x)
+        inner = [cp for cp in st.profile.candidates if cp.kind not in ("input", "output")]
+        assert len(inner) >= 3, [cp.id for cp in st.profile.candidates]
+        for cp in st.profile.candidates:
+            plan = plan_for(st.profile, cp.id, "raw/none", 20e6, st.cfg)
+            stats = FrameStats()
+            _same(b.run_plan(x, plan, stats, 60.0), ref)
+            assert stats.round_trips == (0 if cp.kind == "output" else 1), plan.describe()
     finally:
         c.close()
 
