@@ -4,7 +4,7 @@
 #
 #   bash scripts/test_robot_torch21.sh [pytest arguments]
 #
-# Builds (once; a stamp of this file makes a second run only check) a second venv,
+# Builds (once; a stamp of the package list makes a second run only check) a second venv,
 # .venv-robot-torch21/ (git-ignored; ROBOT_OFFLOAD_TORCH21_VENV overrides), with PyPI's
 # torch 2.1.2 and torchvision 0.16.2 for this Python, then runs the tests marked
 # `robot_side` (pytest.ini) in it: the unit tests of the robot-side modules, and the
@@ -15,7 +15,7 @@
 # (cuDNN, cuBLAS, cuFFT, cuRAND, cuSPARSE, NCCL, CUPTI, NVTX, the runtime) even on a
 # machine without a GPU, so those packages are installed too -- not NVRTC, cuSOLVER and
 # triton, which it loads only when used. Everything is installed with --no-deps from the
-# exact list below: this machine's pip constraint file caps torch for the main venv only.
+# exact list below, so pip resolves nothing and the venv is the same on every machine.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ROBOT_OFFLOAD_TORCH21_VENV:-$repo/.venv-robot-torch21}"
@@ -37,7 +37,7 @@ packages=(
 )
 
 stamp="$venv/.setup.sha256"
-want="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+want="$(printf '%s\n' "${packages[@]}" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "creating venv $venv (torch 2.1.2, about 2.4 GB to download)"
   t0=$SECONDS
@@ -48,8 +48,8 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   pip_log="$venv/pip.log"
   pkgs=()
   for p in "${packages[@]}"; do pkgs+=("$p"); done
-  PIP_CONSTRAINT="" "$venv/bin/python" -m pip install --isolated -q --no-deps \
-      --disable-pip-version-check "${pkgs[@]}" >"$pip_log" 2>&1 \
+  "$venv/bin/python" -m pip install -q --no-deps --disable-pip-version-check \
+      "${pkgs[@]}" >"$pip_log" 2>&1 \
     || { tail -30 "$pip_log" >&2; echo "[robot-torch21] pip failed; log: $pip_log" >&2; exit 1; }
   "$venv/bin/python" -c "import torch, torchvision; assert torch.__version__.startswith('2.1.')" \
     || { echo "[robot-torch21] torch 2.1 does not import in $venv" >&2; exit 1; }
