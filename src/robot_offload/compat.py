@@ -4,7 +4,7 @@ they first talk, and the one rule that compares them.
 The client sends its :class:`Versions` with its first ``ping`` (``ServerLink.connect``
 and its reconnect prober, the transparent launcher); the server answers with its own and,
 for the operators the client listed, the ones it would read differently
-(:meth:`Versions.differing_ops`). The rule:
+(:func:`differing_ops`). The rule:
 
 * **Protocol.** :data:`PROTOCOL_VERSION` names what both sides must read alike: the
   services' fields and their meaning, the tensor codec's formats, the compute entries'
@@ -21,15 +21,15 @@ for the operators the client listed, the ones it would read differently
   values (torch 2.1 prints ``int[2] stride=1`` where later versions print ``SymInt[2]
   stride=[1, 1]``), and a server schema that only adds trailing arguments with defaults
   reads an older client's calls as before (torch's own rule for evolving operators). The
-  client refuses to send those operators (:meth:`refusal_for_op`): its operator backends
+  client refuses to send those operators (:func:`op_refusals`): its operator backends
   compute the frame locally, naming the operator and both torch versions; the launcher
   runs that operator on the robot. The other operators are still offloaded.
 * **Whole-model modes** (``full_offload``, ``layer_partition``, ``lop``) send tensors as
   bytes, dtype and shape; other torch versions on the two sides are fine once the
   protocol matches (and the weights hash, which ``load_model`` checks).
 
-Pure data and arithmetic apart from :func:`local_versions`, which reads this process's
-torch; no server code (the robot and the server both import it).
+Pure data and arithmetic, apart from the schema functions at the end, which read this
+process's torch; no server code (the robot and the server both import it).
 """
 
 import hashlib
@@ -41,10 +41,12 @@ from typing import Dict, FrozenSet, Mapping, Optional
 #: Bumped whenever the services' fields or meaning, the codec's formats or a compute
 #: entry's arguments change (test_compat checks it moves with the .srv/.msg files).
 PROTOCOL_VERSION = 1
-#: Longest versions_json accepted (characters): the allow-list's digests take ~20 KB.
+#: Longest versions_json accepted (characters): the allow-list's digests take ~15 KB.
 MAX_VERSIONS_JSON_CHARS = 256 * 1024
 #: Most operators one client may list.
 MAX_OPS = 4096
+#: Longest reason a server gives for one differing operator (its schema is < 300).
+MAX_WHY_CHARS = 1024
 #: Characters of a schema digest (hex).
 DIGEST_CHARS = 16
 _OP_NAME = re.compile(r"^[a-z]+::[A-Za-z0-9_]+\.[A-Za-z0-9_]+$")
@@ -99,7 +101,7 @@ class Versions:
             raise VersionsError("versions_json must be a JSON object")
         unknown = set(obj) - {"package", "protocol", "torch", "torchvision", "device", "ops", "ops_differ"}
         if unknown:
-            raise VersionsError(f"versions_json has unknown keys {sorted(unknown)[:5]}")
+            raise VersionsError(f"versions_json has unknown keys {[k[:40] for k in sorted(unknown)[:5]]}")
         protocol = obj.get("protocol")
         if type(protocol) is not int or not 0 <= protocol < 1 << 31:
             raise VersionsError("versions_json: protocol must be a non-negative integer")
@@ -110,7 +112,7 @@ class Versions:
                 raise VersionsError(f"versions_json: {key} must be a short version string")
             texts[key] = value
         ops = _string_map(obj.get("ops", {}), "ops", lambda v: bool(_HEX.match(v)))
-        differ = _string_map(obj.get("ops_differ", {}), "ops_differ", lambda v: len(v) <= 1024)
+        differ = _string_map(obj.get("ops_differ", {}), "ops_differ", lambda v: len(v) <= MAX_WHY_CHARS)
         return cls(protocol=protocol, ops=ops, ops_differ=differ, **texts)
 
 
@@ -140,7 +142,7 @@ def differing_ops(client: Versions, accepted: Mapping[str, FrozenSet[str]],
         elif not ok:
             out[name] = "the server's torch has no such operator"
         elif digest not in ok:
-            out[name] = f"the server's schema is {schemas[name]}"
+            out[name] = f"the server's schema is {schemas[name]}"[:MAX_WHY_CHARS]
     return out
 
 
