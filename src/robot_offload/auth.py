@@ -92,7 +92,7 @@ SIGNED_FIELDS = {
     "load_model": ("client_id", "model", "weights_hash"),
     "compute": ("client_id", "model", "entry", "args_json", "session", "output_codec",
                 "output_compression"),
-    "ping": ("client_id", "payload"),
+    "ping": ("client_id", "payload", "versions_json"),
 }
 
 

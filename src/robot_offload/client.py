@@ -15,7 +15,7 @@ import torch
 from robot_offload import backends, checks
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
-from robot_offload.errors import ConfigError, OffloadTimeout, RemoteError, TransportError
+from robot_offload.errors import ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
@@ -134,6 +134,7 @@ class OffloadClient:
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0
+        self._incompatible_logged = set()
         self.measured_power = EnergyMeter(None)   # fed by the node with sensor samples
         self.predicted_bandwidth_bps = float("nan")  # fed by the node (bandwidth_monitor)
         # perf_counter -> wall clock, for matching intervals with stamped power samples
@@ -206,6 +207,12 @@ class OffloadClient:
             try:
                 outputs = backend.infer(x, stats, self.config.timeout_s)
                 stats.executed_mode = mode
+            except Incompatible as e:
+                # the server is fine; this mode cannot use it (robot_offload.compat)
+                stats.fallback_reason = f"{type(e).__name__}: {e}"
+                if e.text not in self._incompatible_logged:
+                    self._incompatible_logged.add(e.text)
+                    log.error("%s: computing locally: %s", mode, e.text)
             except (TransportError, RemoteError) as e:
                 stats.fallback_reason = f"{type(e).__name__}: {e}"
                 if isinstance(e, OffloadTimeout):

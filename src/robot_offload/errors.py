@@ -60,5 +60,11 @@ class Unauthorized(RemoteError):
     client may not use the model; offloading stays off until the server accepts again."""
 
 
+class Incompatible(RemoteError):
+    """Robot and server would compute differently: another protocol version, or, for the
+    operator modes, an operator whose schema differs between their torch versions
+    (:mod:`robot_offload.compat`). The message names both sides' versions."""
+
+
 class StaleHandle(RemoteError):
     """A server-side tensor handle or session the client referred to no longer exists."""

@@ -17,15 +17,23 @@ A server that refuses the client's authentication (UNAUTHORIZED: no or wrong sec
 too far apart, model not allowed for this client) is treated as down: frames run locally
 and the prober keeps trying, so fixing the server's configuration and restarting it brings
 offloading back. The refusal is logged as an error once per change of reason.
+
+Every connection starts with a ping that carries the client's versions
+(:mod:`robot_offload.compat`); the server answers with its own. A server of another
+protocol version disables offloading for good, like a weights hash mismatch (logged as an
+error naming both versions; every frame's fallback_reason says it). Operators whose schema
+differs between the two torch versions are kept in :attr:`ServerLink.refused_ops` for the
+operator modes, which refuse to send them.
 """
 
 import logging
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
-from robot_offload.errors import (HashMismatch, ModelNotLoaded, OffloadError, TransportError,
-                                   Unauthorized)
+from robot_offload import compat
+from robot_offload.errors import (HashMismatch, Incompatible, ModelNotLoaded, OffloadError,
+                                   TransportError, Unauthorized)
 from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRequest,
                                     PingRequest, raise_for_status)
 from robot_offload.transport.base import Transport
@@ -50,8 +58,14 @@ class ServerLink:
         self.server_id = ""
         self.device = ""
         self.last_error = "not connected yet"
+        #: this client's versions, sent with the first ping of every connection
+        self.versions = compat.local_versions()
+        #: the server's, from its answer (None before the first one)
+        self.server_versions: Optional[compat.Versions] = None
+        #: operators the operator modes must not send to this server -> why
+        self.refused_ops: Dict[str, str] = {}
         self._up = threading.Event()
-        self._refused = False          # hash mismatch: never offload with these weights
+        self._refused = False          # hash or protocol mismatch: never offload
         self._stop = threading.Event()
         self._prober: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -74,9 +88,13 @@ class ServerLink:
         return "connecting" if self.consecutive_failures == 0 else "down"
 
     def connect(self, timeout_s: Optional[float] = None) -> bool:
-        """Try once to reach the server and load the model; start probing on failure."""
+        """Try once to reach the server, exchange versions and load the model; start
+        probing on failure."""
+        timeout_s = timeout_s or self.load_timeout_s
+        deadline = self.clock() + timeout_s
         try:
-            self._load(timeout_s or self.load_timeout_s)
+            self._hello(timeout_s)
+            self._load(max(deadline - self.clock(), 0.001))
         except (TransportError, OffloadError) as e:
             self.mark_down(str(e))
             return False
@@ -123,6 +141,31 @@ class ServerLink:
             self._prober.join(timeout=2.0)
 
     # -- internals --------------------------------------------------------------------
+    def _hello(self, timeout_s: float):
+        """The first ping of a connection: send this client's versions, check the
+        server's (robot_offload.compat); returns the ping's response. Raises Incompatible
+        (and disables offloading) for a server of another protocol."""
+        ping = self.transport.call("ping", PingRequest(client_id=self.client_id,
+                                                       versions_json=self.versions.to_json()), timeout_s)
+        try:
+            raise_for_status(ping.status, ping.status_text)
+            server = compat.checked_server_versions(self.versions, ping.versions_json)
+        except Incompatible as e:
+            self._refused = True
+            log.error("offloading disabled: %s", e.text)
+            raise
+        except Unauthorized as e:
+            self._log_auth_refusal(e.text)
+            raise
+        refused = compat.op_refusals(self.versions, server)
+        if refused and refused != self.refused_ops:
+            log.warning("the server runs torch %s, the robot torch %s: transparent and record_replay "
+                        "refuse frames that use %d operators whose schemas differ: %s",
+                        server.torch, self.versions.torch, len(refused), ", ".join(sorted(refused)))
+        self.server_versions, self.refused_ops = server, refused
+        self.server_id = ping.server_id
+        return ping
+
     def _load(self, timeout_s: float) -> None:
         response = self.transport.call("load_model", LoadModelRequest(
             client_id=self.client_id, model=self.model, weights_hash=self.weights_hash), timeout_s)
@@ -148,9 +191,7 @@ class ServerLink:
                 return
             next_at = self.clock() + self.retry_interval_s
             try:
-                ping = self.transport.call("ping", PingRequest(client_id=self.client_id),
-                                           max(self.retry_interval_s, 0.2))
-                raise_for_status(ping.status, ping.status_text)
+                ping = self._hello(max(self.retry_interval_s, 0.2))
                 # A server that still holds the model answers a load at once: do not let
                 # one lost packet on a flaky link hold the prober for load_timeout_s.
                 loaded = self.model in (ping.loaded_models or ())
@@ -160,6 +201,8 @@ class ServerLink:
                 self.last_error = str(e)
                 if isinstance(e, Unauthorized):
                     self._log_auth_refusal(e.text)
+                if self._refused:
+                    return
                 continue
             self.server_id = ping.server_id
             self._set_up()

@@ -33,6 +33,7 @@ class StatusCode(enum.IntEnum):
     STALE_HANDLE = 8
     INTERNAL = 9
     BUSY = 10
+    INCOMPATIBLE = 11
 
 
 _CODE_ERRORS = {
@@ -40,6 +41,7 @@ _CODE_ERRORS = {
     StatusCode.HASH_MISMATCH: errors.HashMismatch,
     StatusCode.STALE_HANDLE: errors.StaleHandle,
     StatusCode.UNAUTHORIZED: errors.Unauthorized,
+    StatusCode.INCOMPATIBLE: errors.Incompatible,
 }
 
 
@@ -108,6 +110,7 @@ class PingRequest:
     client_id: str
     payload: bytes = b""
     auth: str = ""
+    versions_json: str = ""     # robot_offload.compat.Versions; "" for a plain probe
 
 
 @dataclass
@@ -118,6 +121,7 @@ class PingResponse:
     loaded_models: List[str] = field(default_factory=list)
     device: str = ""
     payload: bytes = b""
+    versions_json: str = ""     # the server's robot_offload.compat.Versions
 
 
 #: The methods every transport carries: name -> (request type, response type).
@@ -126,3 +130,11 @@ METHODS = {
     "compute": (ComputeRequest, ComputeResponse),
     "ping": (PingRequest, PingResponse),
 }
+
+
+def method_of(request) -> str:
+    """The method whose request ``request`` is (``ping`` for a PingRequest)."""
+    for method, (request_type, _) in METHODS.items():
+        if isinstance(request, request_type):
+            return method
+    raise TypeError(f"{type(request).__name__} is not a request of the protocol")

@@ -7,6 +7,8 @@ import pytest
 from robot_offload import bandwidth as bw
 from robot_offload.testbed import traces
 
+pytestmark = pytest.mark.robot_side
+
 
 def feed(p, values):
     for i, v in enumerate(values):

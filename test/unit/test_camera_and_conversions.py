@@ -10,6 +10,8 @@ from robot_offload.camera import (FolderSource, NaturalSource, SyntheticSource, 
 from robot_offload.errors import ConfigError
 from robot_offload.protocol import StatusCode
 
+pytestmark = pytest.mark.robot_side
+
 
 def test_synthetic_source_is_deterministic_and_moves():
     a, b = SyntheticSource(64, 48, seed=3), SyntheticSource(64, 48, seed=3)

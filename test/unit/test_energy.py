@@ -10,6 +10,8 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.energy import modelled_energy_j
 from robot_offload.power import EnergyMeter
 
+pytestmark = pytest.mark.robot_side
+
 
 def test_modelled_energy_by_hand():
     # compute [0, 1], transmit [0.5, 2], idle to 3 s (Intra-DP Table 3 watts):

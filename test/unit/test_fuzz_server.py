@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from robot_offload import codec
+from robot_offload import codec, compat
 from robot_offload.codec import EncodedTensor
 from robot_offload.models import registry
 from robot_offload.server import executors as server_executors
@@ -320,17 +320,35 @@ def test_fuzz_load_model_malformed(fuzz_server, valid):
     assert len(seen) >= N_MALFORMED * 0.95   # assume() may drop a few
 
 
+def _refused_versions(text):
+    """Whether a server refuses these versions: not readable, or another protocol."""
+    try:
+        return compat.Versions.from_json(text).protocol != compat.PROTOCOL_VERSION
+    except compat.VersionsError:
+        return True
+
+
 @st.composite
 def malformed_ping(draw):
-    kind = draw(st.sampled_from(["large", "payload_type", "text_type", "long", "wrong_request"]))
+    kind = draw(st.sampled_from(["large", "payload_type", "text_type", "long", "versions", "wrong_request"]))
     if kind == "large":
         return PingRequest("fuzz", b"\0" * draw(st.integers(MAX_BYTES + 1, MAX_BYTES + 4096)))
+    if kind == "versions":       # what robot_offload.compat reads, malformed or of another protocol
+        value = st.one_of(st.none(), st.integers(), st.text(max_size=70), st.lists(st.integers(), max_size=3),
+                          st.dictionaries(st.text(max_size=30), st.text(max_size=20), max_size=3))
+        keys = st.sampled_from(["package", "protocol", "torch", "torchvision", "device", "ops", "ops_differ", "x"])
+        text = draw(st.one_of(
+            st.text(min_size=1, max_size=50),
+            st.dictionaries(keys, value, max_size=6).map(json.dumps),
+            st.integers(2, 1 << 40).map(lambda v: json.dumps({"protocol": v, "torch": "2.1.2"}))
+        ).filter(_refused_versions))
+        return PingRequest("fuzz", b"", versions_json=text)
     if kind == "payload_type":
         return PingRequest("fuzz", draw(st.one_of(st.none(), st.text(max_size=5), st.integers(),
                                                    st.lists(st.integers(0, 255), max_size=3))))
     if kind == "text_type":
         req = PingRequest("fuzz", b"")
-        setattr(req, draw(st.sampled_from(["client_id", "auth"])), draw(_not_str))
+        setattr(req, draw(st.sampled_from(["client_id", "auth", "versions_json"])), draw(_not_str))
         return req
     if kind == "long":
         return PingRequest("x" * draw(st.integers(1025, 3000)), b"")

@@ -13,6 +13,8 @@ from robot_offload.apps.kapao_post import (
 )
 from robot_offload.models.kapao import build_kapao
 
+pytestmark = pytest.mark.robot_side
+
 K = 17
 NO = 5 + (1 + K) + 2 * K  # 57
 

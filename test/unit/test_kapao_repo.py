@@ -11,6 +11,7 @@ import torch
 from robot_offload.apps.kapao_repo import KapaoRepoRunner
 from robot_offload.camera import SyntheticSource
 from robot_offload.errors import ConfigError
+from robot_offload.protocol import method_of
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transparent.session import RemoteSession
 from robot_offload.transport.inproc import InProcessTransport
@@ -40,7 +41,7 @@ def test_record_replay_poses_equal_local(tmp_path):
                              conf_thres_kp=0.0, conf_thres=0.0, trust_checkpoint=True)
     runner.data["conf_thres_kp_person"] = 0.0
     transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
-    session = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
+    session = RemoteSession(lambda r, t: transport.call(method_of(r), r, t), mode="record_replay",
                             local_fallback=True)
     cam = SyntheticSource(160, 120, seed=1)
     phases = []

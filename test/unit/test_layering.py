@@ -15,7 +15,7 @@ ROS_ONLY = {"rospy", "rosgraph", "roslib", "rosservice", "rostopic", "roslaunch"
             "cv_bridge", "message_filters", "diagnostic_updater", "tf2_ros", "tf2_geometry_msgs"}
 #: robot-side code: runs on the robot, so it must work without the server's code
 ROBOT_SIDE = ("backends", "transparent", "client.py", "camera.py", "bandwidth.py", "power.py", "link.py",
-              "transport", "apps", "health.py")
+              "transport", "apps", "health.py", "compat.py")
 
 
 def _module(path: pathlib.Path) -> str:

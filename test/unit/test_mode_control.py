@@ -9,6 +9,8 @@ from robot_offload.client import ClientConfig
 from robot_offload.errors import ConfigError
 from robot_offload.mode_control import MODE_CONTROLS, ModeControl
 
+pytestmark = pytest.mark.robot_side
+
 
 def test_open_follows_the_parameter_and_the_service():
     mc = ModeControl("open", "local")

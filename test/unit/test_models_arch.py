@@ -7,6 +7,8 @@ import torch
 from robot_offload.models.agrnav import build_agrnav, synthetic_scene, voxelize
 from robot_offload.models.kapao import Detect, build_kapao, symbolic_trace_kapao
 
+pytestmark = pytest.mark.robot_side
+
 SMALL_W, SMALL_D = 0.25, 0.33  # KAPAO-S-like multiples: same structure, fast on CPU
 NO = 57  # 4 box + 1 obj + 18 classes + 34 keypoint coords
 

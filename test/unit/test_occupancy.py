@@ -14,6 +14,8 @@ from robot_offload.apps.occupancy import (AGRNAV_PLANNER_TOPIC, LidarConfig, Occ
 from robot_offload.errors import ConfigError
 from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene, voxelize
 
+pytestmark = pytest.mark.robot_side
+
 DEFAULT = (128, 128, 16)  # X, Y, Z: 0.2 m voxels on every axis over the default extent
 ODD = (32, 16, 8)         # 0.8 m forward, 1.6 m lateral, 0.4 m vertical
 

@@ -7,6 +7,8 @@ from torch import nn
 from robot_offload.models import get_spec
 from robot_offload.partition.graph import (INPUT_CUT, OUTPUT_CUT, CutError, capture)
 
+pytestmark = pytest.mark.robot_side
+
 
 @pytest.fixture(scope="module")
 def resnet18():

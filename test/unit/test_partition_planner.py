@@ -18,6 +18,8 @@ from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, Plann
                                              output_error_bound, predict)
 from robot_offload.partition.profile import CutProfile, Profile, output_error
 
+pytestmark = pytest.mark.robot_side
+
 MB = 1e6
 
 

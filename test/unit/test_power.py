@@ -7,6 +7,8 @@ import pytest
 
 from robot_offload import power
 
+pytestmark = pytest.mark.robot_side
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "power")
 
 

@@ -7,6 +7,8 @@ import torch
 from robot_offload.errors import ConfigError, UnknownModelError
 from robot_offload.models import get_spec, names, weights_hash
 
+pytestmark = pytest.mark.robot_side
+
 PAPER_MODELS = {"resnet101", "vgg19", "convnext_tiny", "densenet121", "regnet_y_400mf",
                 "mobilenet_v2", "fcn_resnet50", "deeplabv3_resnet50", "fasterrcnn_resnet50_fpn",
                 "retinanet_resnet50_fpn", "kapao_l", "agrnav"}

@@ -8,6 +8,8 @@ import torch
 from robot_offload import structure
 from robot_offload.errors import CodecError
 
+pytestmark = pytest.mark.robot_side
+
 
 def test_round_trip_of_detection_style_output():
     out = [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),

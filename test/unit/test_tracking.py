@@ -17,6 +17,8 @@ from robot_offload.apps.tracking import (
     project_pixel_to_3d,
 )
 
+pytestmark = pytest.mark.robot_side
+
 K = 17
 CAM = CameraIntrinsics(fx=500.0, fy=400.0, cx=320.0, cy=240.0)
 

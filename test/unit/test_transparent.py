@@ -16,7 +16,7 @@ from torch import nn
 
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
-from robot_offload.protocol import ComputeRequest, StatusCode
+from robot_offload.protocol import ComputeRequest, StatusCode, method_of
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transparent.wire import content_digest
 from robot_offload.transparent.session import RemoteSession
@@ -276,7 +276,7 @@ def test_registry_models_transparent_equals_local(shared_server, model):
 
 def _session(server=None, mode="record_replay", **kwargs):
     transport = InProcessTransport(server or OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
-    return RemoteSession(lambda r, t: transport.call("compute", r, t), mode=mode, **kwargs)
+    return RemoteSession(lambda r, t: transport.call(method_of(r), r, t), mode=mode, **kwargs)
 
 
 class _Net(nn.Module):
@@ -852,7 +852,7 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
     net = _Net().eval()
     transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
     server = transport.server
-    sess = RemoteSession(lambda r, t: transport.call("compute", r, t), mode="record_replay",
+    sess = RemoteSession(lambda r, t: transport.call(method_of(r), r, t), mode="record_replay",
                          local_fallback=True, retry_interval_s=0.05, timeout_s=2.0,
                          early_replay=early_replay)
     with torch.no_grad():

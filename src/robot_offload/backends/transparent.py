@@ -7,6 +7,12 @@ The model's weights are offered by content digest; the server finds them in its 
 of the registry model (loaded through the link as for every mode), so they never cross
 the link. A failure leaves the session's server-side state unknown, so the session is
 reset (new handles, recording again) and the client computes the frame locally.
+
+An operator whose schema differs between the robot's and the server's torch
+(:mod:`robot_offload.compat`, :attr:`ServerLink.refused_ops`) is never sent: the frame
+that reaches it raises :class:`~robot_offload.errors.Incompatible` naming the operator and
+both versions, and so does every later frame of this mode until the link connects to
+another server.
 """
 
 import time
@@ -14,8 +20,8 @@ import time
 import torch
 
 from robot_offload.backends.base import Backend, register_backend
-from robot_offload.errors import OffloadError, RemoteError, TransportError
-from robot_offload.protocol import StatusCode
+from robot_offload.errors import Incompatible, OffloadError, RemoteError, TransportError
+from robot_offload.protocol import StatusCode, method_of
 from robot_offload.transparent.session import RemoteSession
 
 
@@ -29,12 +35,17 @@ class _OperatorBackend(Backend):
                                      client_id=ctx.link.client_id + "-" + self.name,
                                      output_codec=ctx.config.output_codec,
                                      early_replay=ctx.config.early_replay)
+        self._refusal = None       # (the server's versions, the Incompatible text)
 
     def _call(self, request, timeout_s):
-        return self.ctx.link.transport.call("compute", request, timeout_s)
+        return self.ctx.link.transport.call(method_of(request), request, timeout_s)
 
     def infer(self, x, stats, timeout_s):
         sess = self.session
+        server = self.ctx.link.server_versions
+        if self._refusal is not None and self._refusal[0] is server:
+            raise Incompatible(StatusCode.INCOMPATIBLE, self._refusal[1])
+        sess.refused_ops = self.ctx.link.refused_ops
         t0 = time.perf_counter()
         sess.deadline = t0 + timeout_s
         sess.frame_stats = stats
@@ -44,6 +55,10 @@ class _OperatorBackend(Backend):
                 with torch.inference_mode(), sess:
                     y = self.ctx.model(x)
                 y = sess.materialize_tree(y)
+            except Incompatible as e:
+                sess.reset()
+                self._refusal = (server, e.text)
+                raise
             except (TransportError, RemoteError):
                 sess.reset()
                 raise

@@ -78,21 +78,24 @@ def compute_resp_from_srv(m) -> ComputeResponse:
 
 
 def ping_req_to_srv(r: PingRequest) -> PingSrvReq:
-    return PingSrvReq(client_id=r.client_id, payload=r.payload, auth=r.auth)
+    return PingSrvReq(client_id=r.client_id, payload=r.payload, auth=r.auth,
+                      versions_json=r.versions_json)
 
 
 def ping_req_from_srv(m) -> PingRequest:
-    return PingRequest(client_id=m.client_id, payload=bytes(m.payload), auth=m.auth)
+    return PingRequest(client_id=m.client_id, payload=bytes(m.payload), auth=m.auth,
+                       versions_json=m.versions_json)
 
 
 def ping_resp_to_srv(r: PingResponse) -> PingSrvResp:
     return PingSrvResp(status=_status(r), server_id=r.server_id, loaded_models=r.loaded_models,
-                       device=r.device, payload=r.payload)
+                       device=r.device, payload=r.payload, versions_json=r.versions_json)
 
 
 def ping_resp_from_srv(m) -> PingResponse:
     return PingResponse(status=m.status.code, status_text=m.status.text, server_id=m.server_id,
-                        loaded_models=list(m.loaded_models), device=m.device, payload=bytes(m.payload))
+                        loaded_models=list(m.loaded_models), device=m.device, payload=bytes(m.payload),
+                        versions_json=m.versions_json)
 
 
 #: the most ``InferenceStats.detail_json`` carries (bytes); longer details are cut to

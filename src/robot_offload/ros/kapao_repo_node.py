@@ -19,9 +19,10 @@ from sensor_msgs.msg import Image
 
 from robot_offload.apps.kapao_post import COCO_KEYPOINT_NAMES
 from robot_offload.apps.kapao_repo import KAPAO_MODES, KapaoRepoConfig, KapaoRepoRunner
-from robot_offload.errors import ConfigError
+from robot_offload.errors import ConfigError, Incompatible
 from robot_offload.frames import LatestFrame
 from robot_offload.msg import InferenceStats, People, Person
+from robot_offload.protocol import method_of
 from robot_offload.ros import conversions as conv
 from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
@@ -43,8 +44,17 @@ class KapaoRepoNode:
         if secret:
             self.transport.set_auth_secret(secret)
         timeout_s = c.timeout_s
-        self.sessions = {m: RemoteSession(lambda r, t: self.transport.call("compute", r, t), mode=m,
+        self.sessions = {m: RemoteSession(lambda r, t: self.transport.call(method_of(r), r, t), mode=m,
                                           timeout_s=timeout_s, local_fallback=True) for m in MODES}
+        # The versions exchange (robot_offload.compat); a server that cannot be reached yet
+        # is probed in the background. One of another protocol is refused for good.
+        self.refusals = {}
+        for m, session in self.sessions.items():
+            try:
+                session.connect(timeout_s)
+            except Incompatible as e:
+                rospy.logerr(f"kapao_repo: the offload server refuses this robot ({m} runs locally): {e.text}")
+                self.refusals[m] = f"Incompatible: {e.text}"
         from cv_bridge import CvBridge
         self.bridge = CvBridge()
         self.slot = LatestFrame()
@@ -65,7 +75,7 @@ class KapaoRepoNode:
             rospy.logwarn_throttle(5.0, f"kapao_repo: unknown mode {mode!r}; known: {list(KAPAO_MODES)}")
             mode = "local"
         image = self.bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8")
-        session = self.sessions.get(mode)
+        session = self.sessions.get(mode) if mode not in self.refusals else None
         stats = FrameStats(mode=mode, model="kapao_repo")
         t0 = time.perf_counter()
         losses = session.stats.server_losses if session else 0
@@ -73,6 +83,8 @@ class KapaoRepoNode:
             poses, stats = self.runner(image, session=session, stats=stats)
         stats.processing_s = time.perf_counter() - t0
         stats.executed_mode = mode
+        if mode in self.refusals:
+            stats.executed_mode, stats.fallback_reason = "local", self.refusals[mode]
         if session is not None:
             if session.stats.server_losses > losses or session.down.is_set():
                 stats.executed_mode, stats.fallback_reason = "local", session.last_error

@@ -9,6 +9,7 @@ Order of a request: authentication (:mod:`robot_offload.auth`), well-formedness
 ``entry`` to the server's own executor instance (:mod:`.executors`, one module each).
 """
 
+import dataclasses
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Dict, Optional
 
 import torch
 
-from robot_offload import auth, codec, structure
+from robot_offload import auth, codec, compat, structure
 from robot_offload.codec import PayloadTooLarge
 from robot_offload.errors import CodecError, ConfigError, UnknownModelError
 from robot_offload.models import get_spec, weights_hash
@@ -62,6 +63,9 @@ class OffloadServer:
             torch.backends.cudnn.allow_tf32 = self.config.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = self.config.allow_tf32
         self.server_id = uuid.uuid4().hex[:12]
+        #: what this server runs, told to every client that pings with its own versions
+        self.versions = compat.local_versions(device=str(self.device), with_ops=False)
+        compat.accepted_digests()     # computed once, before the first client's ping
         self._models: Dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
         self._load_locks: Dict[str, threading.Lock] = {}
@@ -211,10 +215,28 @@ class OffloadServer:
     def _ping(self, req: PingRequest) -> PingResponse:
         if len(req.payload) > self.config.max_request_bytes:
             raise RequestRejected(StatusCode.TOO_LARGE, "ping payload above max_request_bytes")
+        versions = self.versions
+        if req.versions_json:
+            versions = self._compare_versions(req.versions_json)
         with self._lock:
             loaded = sorted(self._models)
         return PingResponse(status=StatusCode.OK, server_id=self.server_id, loaded_models=loaded,
-                            device=str(self.device), payload=bytes(req.payload))
+                            device=str(self.device), payload=bytes(req.payload),
+                            versions_json=versions.to_json())
+
+    def _compare_versions(self, versions_json: str) -> compat.Versions:
+        """The reply to a client's versions (robot_offload.compat): INCOMPATIBLE for
+        another protocol, else this server's versions with the client's operators that it
+        would read differently."""
+        try:
+            client = compat.Versions.from_json(versions_json)
+        except compat.VersionsError as e:
+            raise RequestRejected(StatusCode.BAD_REQUEST, str(e)) from None
+        refusal = compat.protocol_refusal(client, self.versions)
+        if refusal is not None:
+            raise RequestRejected(StatusCode.INCOMPATIBLE, refusal)
+        differ = compat.differing_ops(client, compat.accepted_digests(), compat.op_schemas())
+        return dataclasses.replace(self.versions, ops_differ=differ)
 
     def _load_model(self, req: LoadModelRequest) -> LoadModelResponse:
         loaded = self.load(req.model)

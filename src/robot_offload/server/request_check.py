@@ -15,7 +15,10 @@ tensor it is not asked to use):
   codec, dtype, shape, sizes, data length when uncompressed);
 * memory: the bytes on the wire *and* the decoded size of all tensors together are at most
   ``max_request_bytes`` (a few KB of zstd can claim gigabytes; this is refused before
-  anything is decompressed). Ping payloads count against the same limit.
+  anything is decompressed). Ping payloads count against the same limit;
+* ping: ``versions_json`` is a string of at most
+  :data:`~robot_offload.compat.MAX_VERSIONS_JSON_CHARS` (its form is the server's
+  ping handler's to check, :meth:`robot_offload.compat.Versions.from_json`).
 
 Nothing is decoded, decompressed or evaluated here; everything is metadata arithmetic.
 """
@@ -23,6 +26,7 @@ Nothing is decoded, decompressed or evaluated here; everything is metadata arith
 import json
 
 from robot_offload import codec
+from robot_offload.compat import MAX_VERSIONS_JSON_CHARS
 from robot_offload.codec import EncodedTensor
 from robot_offload.errors import CodecError, OffloadError
 from robot_offload.protocol import METHODS, StatusCode
@@ -80,6 +84,12 @@ def check_request(method: str, request, max_request_bytes: int) -> None:
         if len(request.payload) > max_request_bytes:
             raise BadRequest(StatusCode.TOO_LARGE, f"ping payload of {len(request.payload)} bytes; "
                              f"max_request_bytes is {max_request_bytes}")
+        versions = request.versions_json
+        if not isinstance(versions, str):
+            raise _bad(f"versions_json must be a string, got {type(versions).__name__}")
+        if len(versions) > MAX_VERSIONS_JSON_CHARS:
+            raise BadRequest(StatusCode.TOO_LARGE, f"versions_json has {len(versions)} characters; "
+                             f"at most {MAX_VERSIONS_JSON_CHARS}")
     elif method == "compute":
         _check_compute(request, max_request_bytes)
 

@@ -243,8 +243,9 @@ class _Recipe:
                 recipe, k = a.ref
                 return recipe.evaluate(memo)[k]
             return a
-        args, kwargs = tree_map(value, (self.args, self.kwargs),
-                                is_leaf=lambda a: isinstance(a, _Ingredient))
+        # an _Ingredient is a leaf of the tree (a plain class; torch 2.1's tree_map has no
+        # is_leaf)
+        args, kwargs = tree_map(value, (self.args, self.kwargs))
         out = self.func(*args, **kwargs)
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         memo[id(self)] = (self, tensors)

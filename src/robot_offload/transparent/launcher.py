@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from robot_offload.errors import Incompatible
+from robot_offload.protocol import method_of
 from robot_offload.transparent.session import MODES, RemoteSession
 from robot_offload.transparent.threads import follow_threads
 
@@ -98,8 +100,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, make_call=None) -> int:
-    """``make_call(args) -> (call(request, timeout_s), close())``; default: ROS services
-    (or the in-process server with ``--inproc``)."""
+    """``make_call(args) -> (call(request, timeout_s), close())``, ``call`` taking a compute
+    or a ping request; default: ROS services (or the in-process server with ``--inproc``).
+    Returns the program's exit status, 2 when the server refuses this robot's versions."""
     argv = list(sys.argv[1:] if argv is None else argv)
     options, command = split_command(argv)
     args = make_parser().parse_args(options)
@@ -112,6 +115,12 @@ def main(argv=None, make_call=None) -> int:
     call, close = (make_call or _default_call)(args)
     session = RemoteSession(call, mode=args.mode, timeout_s=args.timeout_s, local_fallback=True,
                             retry_interval_s=args.retry_interval_s)
+    try:
+        session.connect(args.timeout_s)
+    except Incompatible as e:
+        close()
+        print(f"transparent: the offload server refuses this robot: {e.text}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     stop = threading.Event()
     if args.stats_out:
@@ -177,7 +186,7 @@ def _default_call(args):
 
     if not args.inproc:
         def call(request, timeout_s):
-            return transport.call("compute", request, timeout_s)
+            return transport.call(method_of(request), request, timeout_s)
         return call, transport.close
     # The in-process server draws random numbers from its own generator state, as a
     # server process would, never from the program's.
@@ -189,7 +198,7 @@ def _default_call(args):
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(server_rng[0])
             try:
-                return transport.call("compute", request, timeout_s)
+                return transport.call(method_of(request), request, timeout_s)
             finally:
                 server_rng[0] = torch.get_rng_state()
     return inproc_call, transport.close

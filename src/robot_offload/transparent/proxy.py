@@ -105,7 +105,9 @@ def _install_hooks() -> None:
     if _HOOKS_INSTALLED:
         return
     _HOOKS_INSTALLED = True
-    base_data = torch._C.TensorBase.data
+    # torch 2.1 (JetPack 5) names the C tensor base class _TensorBase
+    base_data = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+    base_data = base_data.data
 
     def get_data(self):
         return base_data.__get__(self)

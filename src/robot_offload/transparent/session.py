@@ -68,8 +68,9 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from robot_offload.errors import OffloadError, OffloadTimeout, RemoteError, TransportError
-from robot_offload.protocol import ComputeRequest, raise_for_status
+from robot_offload import compat
+from robot_offload.errors import Incompatible, OffloadError, OffloadTimeout, RemoteError, TransportError
+from robot_offload.protocol import ComputeRequest, PingRequest, StatusCode, raise_for_status
 from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, FallbackMixin, _is_random, _short_name
 from robot_offload.transparent.proxy import Interceptor, RemoteTensor, _install_hooks
@@ -113,6 +114,11 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         self._schema_cache: Dict[object, tuple] = {}
         self._static_cache: Dict[tuple, bool] = {}
         self._allowed_cache: Dict[object, bool] = {}
+        #: operators the server would read differently (robot_offload.compat.op_refusals)
+        #: -> why: never sent; Incompatible is raised, or with local_fallback they run on
+        #: the robot
+        self.refused_ops: Dict[str, str] = {}
+        self._refusals_logged = set()
         # local_fallback (the launcher): when the server fails, finish the program on the
         # robot -- remote values are recomputed from each proxy's recipe -- and offload
         # again once a background probe reaches the server. Without it (the client's
@@ -229,7 +235,9 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
     def _server_runs(self, func) -> bool:
         """Whether the server runs ``func`` (:mod:`~robot_offload.transparent.allowlist`).
         One it refuses runs on the robot, like an argument the wire cannot carry: counted
-        in ``ops_not_allowed`` (and ``ops_local``), logged once per operator."""
+        in ``ops_not_allowed`` (and ``ops_local``), logged once per operator. One whose
+        schema differs on the server (:attr:`refused_ops`) raises Incompatible, or with
+        ``local_fallback`` runs on the robot (``ops_refused``, logged once)."""
         allowed = self._allowed_cache.get(func)
         if allowed is None:
             allowed = self._allowed_cache[func] = allowlist.is_allowed(func)
@@ -238,7 +246,18 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
                             wire.op_name(func))
         if not allowed:
             self.stats.ops_not_allowed += 1
-        return allowed
+            return False
+        if self.refused_ops:
+            why = self.refused_ops.get(wire.op_name(func))
+            if why is not None:
+                if not self.local_fallback:
+                    raise Incompatible(StatusCode.INCOMPATIBLE, why)
+                if why not in self._refusals_logged:
+                    self._refusals_logged.add(why)
+                    log.error("%s; it runs on the robot", why)
+                self.stats.ops_refused += 1
+                return False
+        return True
 
     def _schema(self, func):
         info = self._schema_cache.get(func)
@@ -287,13 +306,45 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
             self._prober = threading.Thread(target=self._probe, name="transparent-prober", daemon=True)
             self._prober.start()
 
+    def connect(self, timeout_s: float) -> None:
+        """For a ``local_fallback`` session (the launcher): exchange versions with the
+        server (:meth:`hello`); one that cannot be reached is probed in the background
+        while the program starts on the robot. Raises Incompatible for a server of another
+        protocol."""
+        try:
+            self.hello(timeout_s)
+        except Incompatible:
+            raise
+        except (TransportError, RemoteError) as e:
+            self._server_lost(e)
+
+    def hello(self, timeout_s: float) -> None:
+        """Exchange versions with the server (:mod:`robot_offload.compat`) through
+        ``call`` (a ping): sets :attr:`refused_ops`. Raises Incompatible for a server of
+        another protocol, TransportError / RemoteError when it does not answer."""
+        mine = compat.local_versions()
+        response = self._call(PingRequest(client_id=self.client_id, versions_json=mine.to_json()),
+                              timeout_s)
+        raise_for_status(*_status_of(response))
+        server = compat.checked_server_versions(mine, response.versions_json)
+        refused = compat.op_refusals(mine, server)
+        if refused and refused != self.refused_ops:
+            log.warning("the server runs torch %s, the robot torch %s: %d operators whose schemas "
+                        "differ run on the robot: %s", server.torch, mine.torch, len(refused),
+                        ", ".join(sorted(refused)))
+        self.refused_ops = refused
+
     def _probe(self) -> None:
         while self.down.is_set():
             time.sleep(self.retry_interval_s)
             req = ComputeRequest(client_id=self.client_id, model="", entry=ENTRY,
                                  args_json=wire.request_json({}), session=self.session_id)
             try:
+                self.hello(max(self.retry_interval_s, 0.5))
                 raise_for_status(*_status_of(self._call(req, max(self.retry_interval_s, 0.5))))
+            except Incompatible as e:
+                log.error("%s: the program goes on on the robot", e.text)
+                return
             except (TransportError, RemoteError):
                 continue
             log.info("offload server answers again: offloading from the next operator")

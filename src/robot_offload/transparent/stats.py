@@ -37,6 +37,7 @@ class SessionStats:
     ops_remote: int = 0
     ops_local: int = 0
     ops_not_allowed: int = 0      # of which: operators the server does not run (allow-list)
+    ops_refused: int = 0          # of which: operators whose schema differs on the server
     ops_replayed: int = 0
     server_losses: int = 0
     replays: int = 0
