@@ -26,8 +26,9 @@ Kept off the list, whatever a derivation finds (:data:`EXCLUDED_PATTERNS`): spar
 scale tensors a request could forge; storage tricks (``set_``, ``_set_*``, storages,
 ``resize_*``, ``_unsafe_*`` except matmul's ``_unsafe_view``, ``_fused_*``); I/O and
 printing (``_print``, ``from_file``, ``save``); ``record_stream``, pinned memory, nested
-tensors, MKL-DNN and cuDNN internals, complex views; and ``empty``/``empty_like``/
-``new_empty``, whose uninitialised bytes could be another session's data. A robot program
+tensors, MKL-DNN and cuDNN internals, complex views; ``empty``/``empty_like``/
+``new_empty``, whose uninitialised bytes could be another session's data; and ``out=``
+variants, which write (and may resize) a tensor the caller names. A robot program
 still runs all of these: on the robot.
 
 Deriving the list again (prints the Python literal of every aten/torchvision overload that
@@ -66,6 +67,9 @@ EXCLUDED_PATTERNS = tuple(re.compile(p) for p in (
     r"nested", r"::_mkldnn", r"::mkldnn", r"::to_mkldnn", r"::_cudnn", r"::_use_cudnn",
     r"::_make_dep", r"::_make_dual", r"::_unpack_dual", r"::view_as_complex", r"::view_as_real",
     r"::_conj", r"::_neg_view",
+    # out= variants: they write (and may resize) a tensor the caller names; a program's out=
+    # tensors are its own, so the robot runs these
+    r"\.(\w+_)?out$",
 ))
 #: Tensor dtypes an argument may have: the wire's, less complex ones (no listed operator
 #: needs them; the codec carries none either).
