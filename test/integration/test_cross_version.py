@@ -33,6 +33,10 @@ CONV = "aten::conv2d.default"     # what a convolution layer calls under inferen
 def server(ros_master, tmp_path_factory):
     """An offload_server node run by SERVER_PYTHON (its own torch)."""
     import rospy
+    # Earlier tests' launches leave their server parameters on the shared master (a key
+    # file, a secret): this server starts from its defaults.
+    if rospy.has_param("/offload_server"):
+        rospy.delete_param("/offload_server")
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([SERVER_PYTHON, os.path.join(ROOT, "nodes", "offload_server"),
