@@ -267,4 +267,4 @@ def test_follow_launch_arguments():
     assert "static_transform_publisher 0.1 0 1 -1.5708 0 -1.5708 base_link camera" in args
     args = roslaunch("--args", "/person_follower", "robot_offload", "kapao_people_tracking.launch",
                      "follow:=true")
-    assert "target:=/person_tracker/target" in args and "image:=/camera/image" in args
+    assert "target:=person_tracker/target" in args and "image:=camera/image" in args     # relative: a robot namespace works
