@@ -234,7 +234,8 @@ def test_follower_goals_through_tf_annotation_and_service(launch, topics):
         g2 = goals.wait_for(lambda m: m.pose.position.y > 5.2 - 0.2, 30)
         assert g2.pose.position.x == pytest.approx(1.0, abs=1e-6)
         for goal in goals.msgs[1:]:
-            p = next(m for m in person.msgs if m.header.stamp == goal.header.stamp)
+            # the person of the goal's frame (the two topics arrive independently)
+            p = person.wait_for(lambda m, s=goal.header.stamp: m.header.stamp == s, 10)
             assert math.hypot(p.point.x - goal.pose.position.x, p.point.y - goal.pose.position.y) == pytest.approx(2.5)
 
         # 4. Off: move_base's goal is cancelled and no goal follows, even when the person moves.
