@@ -56,6 +56,9 @@ def server(ros_master, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+    # ... and leaves none behind for later tests' servers (its _ops_sandbox:=false)
+    if rospy.has_param("/offload_server"):
+        rospy.delete_param("/offload_server")
 
 
 def _client(mode, **kw):
