@@ -35,6 +35,14 @@ def make_weights(path):
     return path
 
 
+def enough_replays(stats_path, n=2):
+    try:
+        stats = json.loads(stats_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return sum(i["phase"] == "replaying" for i in stats["inferences"]) >= n
+
+
 class Outputs:
     def __init__(self):
         self.got = []
@@ -48,7 +56,7 @@ class Outputs:
             time.sleep(0.2)
         assert len(self.got) >= n, f"{why}: {len(self.got)} of {n} outputs in {timeout_s} s"
         self.sub.unregister()
-        return self.got[:n]
+        return list(self.got)
 
 
 def test_real_node_layout_record_replay_equals_the_node_alone(launch, tmp_path):
@@ -59,17 +67,20 @@ def test_real_node_layout_record_replay_equals_the_node_alone(launch, tmp_path):
                         f"agrnav_dataset_root:={tmp_path / 'voxels'}", f"agrnav_keep_dir:={keep}",
                         f"agrnav_stats_out:={stats_path}", f"agrnav_output_path:={tmp_path / 'out'}",
                         "rate_hz:=4", "device:=cpu", "bandwidth_monitor:=false", "power_logger:=false")
-    offloaded = outputs.wait(FRAMES, 300, "record_replay through the launch file")
+    # The node may start before the server answers (it then computes on the robot and
+    # probes): run until the launcher's stats (rewritten every 2 s) show replayed frames.
+    end = time.monotonic() + 300
+    while time.monotonic() < end and not enough_replays(stats_path):
+        time.sleep(0.5)
+    offloaded = outputs.wait(FRAMES, 60, "record_replay through the launch file")
     launch.stop_all()
     assert proc.poll() is not None
-    end = time.monotonic() + 30
-    while not stats_path.exists() and time.monotonic() < end:
-        time.sleep(0.2)
     stats = json.loads(stats_path.read_text())
 
-    # The node alone (the launcher's local mode: nothing intercepted), on the same files.
-    files = sorted(glob.glob(str(keep / "*.bin")))[:FRAMES]
-    assert len(files) == FRAMES
+    # The node alone (the launcher's local mode: nothing intercepted), on the same files:
+    # one file per published frame, in order.
+    files = sorted(glob.glob(str(keep / "*.bin")))[:len(offloaded)]
+    assert len(files) == len(offloaded) >= FRAMES
     alone_dir = tmp_path / "alone"
     alone_dir.mkdir()
     for f in files:
@@ -81,7 +92,7 @@ def test_real_node_layout_record_replay_equals_the_node_alone(launch, tmp_path):
                               f"_dataset_root:={alone_dir}", f"_output_path:={tmp_path / 'out2'}"],
                              stdout=log, stderr=subprocess.STDOUT)
     try:
-        reference = outputs.wait(FRAMES, 180, "the node alone")
+        reference = outputs.wait(len(files), 180, "the node alone")
     finally:
         alone.terminate()
         alone.wait(30)

@@ -205,10 +205,10 @@ def test_follower_goals_through_tf_annotation_and_service(launch, topics):
         #    image, but no goal. Person at depth 4 m: base_link (4.2, 0, 1), odom (4.7, 0, 1),
         #    map (1 - 0, 2 + 4.7, 1); the robot at map (1, 2.5).
         p = person.wait_for(lambda m: True, 90)
-        assert p.header.frame_id == "map"
+        assert p.header.frame_id == "map" and p.header.stamp in stream.stamps  # the frame's exact stamp
         assert (p.point.x, p.point.y, p.point.z) == pytest.approx((1.0, 6.7, 1.0), abs=1e-6)
         r = person_robot.wait_for(lambda m: True, 10)
-        assert r.header.frame_id == "base_link"
+        assert r.header.frame_id == "base_link" and r.header.stamp in stream.stamps
         assert (r.point.x, r.point.y, r.point.z) == pytest.approx((4.2, 0.0, 1.0), abs=1e-6)
         img = annotated.wait_for(lambda m: True, 30)
         assert img.header.stamp in stream.stamps and (img.width, img.height, img.encoding) == (W, H, "rgb8")

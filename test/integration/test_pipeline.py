@@ -102,14 +102,22 @@ def test_server_crash_falls_back_within_deadline_and_recovers(launch, stats):
     launch.kill_node(server, "/offload_server")
     t_local, m = stats.wait_for(lambda m: m.executed_mode == "local", 10, after=t_kill)
     assert m.mode == "full_offload" and m.fallback_reason
-    # Frames after the crash never waited past the 0.5 s deadline (plus a local inference).
+    # Frames after the crash never waited for the server past the 0.5 s deadline: their
+    # latency less their queueing and computing on the robot (as slow as this machine's
+    # load makes it) stays under it, give or take scheduling.
     after_kill = [msg for t, msg in stats.msgs if t > t_kill]
-    assert max(msg.latency_s for msg in after_kill) < 0.5 + 1.5
-    assert t_local - t_kill < 0.5 + 1.5
-    # Still processing frames locally while the server is gone.
+    waited = [m.latency_s - m.queue_s - m.robot_compute_s for m in after_kill]
+    assert max(waited) < 0.5 + 1.0, waited
+    slowest_local_s = max(m.latency_s for m in after_kill)
+    assert t_local - t_kill < 0.5 + slowest_local_s + 1.0
+    # Still processing frames locally while the server is gone: at the camera's 10 Hz, or
+    # as fast as local inference goes here if slower (at least half of either).
     n0 = len(stats.msgs)
     time.sleep(1.5)
-    assert len(stats.msgs) - n0 >= 5
+    new = [m for _, m in stats.msgs[n0:]]
+    assert new and all(m.executed_mode == "local" for m in new)
+    compute_s = sorted(m.robot_compute_s for m in new)[len(new) // 2]
+    assert len(new) >= min(5, int(0.5 * 1.5 / compute_s)), (len(new), compute_s)
     t_restart = time.monotonic()
     launch.start("server.launch")
     t_back, m = stats.wait_for(lambda m: m.executed_mode == "full_offload", 60, after=t_restart)

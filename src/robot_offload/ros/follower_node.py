@@ -88,6 +88,10 @@ class FollowerNode:
             return
         person_robot = do_transform_point(msg, to_robot)
         person = do_transform_point(person_robot, robot)
+        # tf2's Python binding passes times as float seconds: the transform's stamp is the
+        # frame's give or take a few hundred ns. Keep the frame's exact stamp, so that these
+        # pair with the frame's other messages (message_filters, exact time).
+        person_robot.header.stamp = person.header.stamp = msg.header.stamp
         self.person_robot_pub.publish(person_robot)
         self.person_pub.publish(person)
         r = robot.transform.translation
