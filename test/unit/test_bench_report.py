@@ -160,3 +160,36 @@ def test_replay_cost_refuses_an_unknown_model():
     from robot_offload.errors import ConfigError
     with pytest.raises(ConfigError):
         replay_cost.main(["no_such_model"])
+
+
+def test_the_oracle_picks_the_best_fixed_mode_per_window_of_the_trace():
+    """Two fixed modes swap places after 2 s of the trace; auto follows one frame late.
+    The per-window oracle takes each window's faster mode, the best fixed mode the faster
+    one over the cell, and the ratios are the means' over the same frames."""
+    from robot_offload.bench.report import oracle_latencies, oracle_table
+    rows = []
+    for i in range(40):
+        t = 0.1 * i                                   # 10 frames per 1 s window
+        fast_a = t < 2.0
+        a, b = (0.010, 0.030) if fast_a else (0.050, 0.020)
+        auto = (0.010 if i < 20 else 0.020) if i not in (20,) else 0.050   # one late frame
+        for mode, v in (("local", a), ("full_offload", b), ("auto", auto)):
+            rows.append(dict(model="m", trace="steps", mode_asked=mode, lost=False, frame=i,
+                             trace_s=t, latency_s=v))
+    rows.append(dict(model="m", trace="steps", mode_asked="auto", lost=True, frame=40))
+    o = oracle_latencies([r for r in rows if not r.get("lost")])
+    assert o["best_fixed_mode"] == "full_offload"     # mean 25 ms against local's 30
+    assert [o["oracle"][i] for i in (0, 19, 20, 39)] == [0.010, 0.010, 0.020, 0.020]
+    assert o["frame_min"] == o["oracle"]              # no noise: the two coincide here
+    table = oracle_table(rows)
+    row = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    assert row[:3] == ["m", "steps", "40"]
+    mean_auto = (20 * 10 + 1 * 50 + 19 * 20) / 40   # ms
+    assert row[3].startswith(f"{mean_auto:.1f} /")
+    assert row[4] == "full_offload (25.0)" and row[5] == "15.0" and row[6] == "15.0"
+    ratio, ci = row[8].split(" ", 1)
+    assert ratio == f"{mean_auto / 15.0:.3f}"
+    lo, hi = map(float, ci.strip("()").split("-"))
+    assert lo <= float(ratio) <= hi
+    # no auto in the cell, or no fixed mode: no row
+    assert oracle_table([r for r in rows if r["mode_asked"] != "auto"]) == ""

@@ -108,6 +108,90 @@ def paired_ratio_ci(a_rows: Sequence[dict], b_rows: Sequence[dict], level: float
     return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
 
 
+#: the per-window oracle's window of trace time (s)
+ORACLE_WINDOW_S = 1.0
+
+
+def oracle_latencies(rows: Sequence[dict], chooser: str = "auto",
+                     window_s: float = ORACLE_WINDOW_S) -> Dict[str, Dict[int, float]]:
+    """For one cell of an interleaved run (every mode ran frame i at the same point of the
+    trace): per frame number, the latency (s) of ``chooser`` and of three references
+    built from the fixed modes (every other mode) on the same frames:
+
+    - ``best_fixed``: the fixed mode with the lowest median over the cell;
+    - ``oracle``: a hindsight oracle that knows the trace, per ``window_s`` of it the fixed
+      mode with the lowest median latency in that window (per window, so that frame-to-frame
+      noise does not flatter it);
+    - ``frame_min``: the fastest fixed mode of each frame (for information: unattainable).
+
+    Only frames that ``chooser`` and every fixed mode ran are kept."""
+    by_mode: Dict[str, Dict[int, dict]] = {}
+    for r in rows:
+        if not r.get("lost") and r.get("frame") is not None:
+            by_mode.setdefault(r["mode_asked"], {})[r["frame"]] = r
+    fixed = sorted(m for m in by_mode if m != chooser)
+    if chooser not in by_mode or not fixed:
+        return {}
+    frames = sorted(set(by_mode[chooser]).intersection(*(set(by_mode[m]) for m in fixed)))
+    if not frames:
+        return {}
+    lat = {m: {f: float(by_mode[m][f]["latency_s"]) for f in frames} for m in fixed}
+    best = min(fixed, key=lambda m: float(np.median(list(lat[m].values()))))
+    windows: Dict[int, List[int]] = {}
+    for f in frames:
+        windows.setdefault(int(_trace_time(by_mode[chooser][f]) // window_s), []).append(f)
+    oracle = {}
+    for fs in windows.values():
+        m = min(fixed, key=lambda m: float(np.median([lat[m][f] for f in fs])))
+        oracle.update({f: lat[m][f] for f in fs})
+    return {chooser: {f: float(by_mode[chooser][f]["latency_s"]) for f in frames},
+            "best_fixed": {f: lat[best][f] for f in frames}, "oracle": oracle,
+            "frame_min": {f: min(lat[m][f] for m in fixed) for f in frames},
+            "best_fixed_mode": best}
+
+
+def paired_mean_ratio_ci(a: Dict[int, float], b: Dict[int, float], level: float = 0.95,
+                         n_boot: int = 2000, seed: int = 0):
+    """A bootstrap interval of mean(a) / mean(b) over the frame numbers both have,
+    resampled in pairs; (nan, nan) with fewer than 5."""
+    common = sorted(set(a) & set(b))
+    if len(common) < 5:
+        return float("nan"), float("nan")
+    av = np.array([a[f] for f in common])
+    bv = np.array([b[f] for f in common])
+    idx = np.random.default_rng(seed).integers(0, len(common), size=(n_boot, len(common)))
+    ratios = av[idx].mean(axis=1) / bv[idx].mean(axis=1)
+    tail = (1.0 - level) / 2.0
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
+
+
+def oracle_table(rows: Sequence[dict], chooser: str = "auto") -> str:
+    """Per model and trace of an interleaved run: ``chooser``'s mean and median latency
+    against the best fixed mode and the per-window hindsight oracle (mean ratios with
+    paired 95 % intervals), and the per-frame minimum for information."""
+    lines = [f"| model | trace | frames | {chooser} mean / median ms | best fixed (mean ms) | "
+             f"oracle mean ms | frame-min mean ms | {chooser} / best fixed (95 % CI) | "
+             f"{chooser} / oracle (95 % CI) |", "|---|---|---|---|---|---|---|---|---|"]
+    for (model, trace), rs in sorted(_group([r for r in rows if not r.get("lost")],
+                                            ("model", "trace")).items()):
+        o = oracle_latencies(rs, chooser)
+        if not o:
+            continue
+        a = o[chooser]
+        mean = {k: 1e3 * float(np.mean(list(o[k].values()))) for k in (chooser, "best_fixed", "oracle", "frame_min")}
+
+        def ratio(ref):
+            lo, hi = paired_mean_ratio_ci(a, o[ref])
+            r = mean[chooser] / mean[ref]
+            return f"{r:.3f} ({lo:.3f}-{hi:.3f})" if np.isfinite(lo) else f"{r:.3f} (n/a)"
+
+        lines.append(f"| {model} | {trace} | {len(a)} | {mean[chooser]:.1f} / "
+                     f"{1e3 * float(np.median(list(a.values()))):.1f} | {o['best_fixed_mode']} "
+                     f"({mean['best_fixed']:.1f}) | {mean['oracle']:.1f} | {mean['frame_min']:.1f} | "
+                     f"{ratio('best_fixed')} | {ratio('oracle')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def prediction_table(rows: Sequence[dict]) -> str:
     """The planners' predicted latency against the measured one, per model and mode
     (frames with a prediction: layer_partition and lop), with the plans they ran."""
@@ -263,8 +347,15 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
            "Median latency of the frames that computed the whole model on the robot, per mode "
            "(at least 5 frames); a mode ratio within the cell's max / min is not a measured "
            "difference.\n", same_work_table(frames), "",
-           "## Robot / server compute\n", compute_ratio_table(frames), "",
-           "## Planner prediction\n", prediction_table(frames)]
+           "## Robot / server compute\n", compute_ratio_table(frames), ""]
+    oracle = oracle_table(frames)
+    if oracle:
+        md += ["## auto against the fixed modes and a hindsight oracle\n",
+               f"Per cell, on the same frames: the best fixed mode over the cell; the oracle "
+               f"runs, per {ORACLE_WINDOW_S:g} s of the trace, the fixed mode with the lowest "
+               f"median latency in that window; frame-min is each frame's fastest fixed mode "
+               f"(unattainable, for information).\n", oracle, ""]
+    md += ["## Planner prediction\n", prediction_table(frames)]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
     text = "\n".join(md) + "\n"

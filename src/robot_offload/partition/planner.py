@@ -221,14 +221,18 @@ def server_time(profile: Profile, cut: CutProfile, cfg: PlannerConfig) -> float:
 
 
 def predict(profile: Profile, cut: CutProfile, encoding: str, bandwidth_bps: float,
-            cfg: PlannerConfig, down_bytes: Optional[float] = None) -> Prediction:
-    """Predicted latency and energy of ``cut`` with ``encoding`` at ``bandwidth_bps``."""
+            cfg: PlannerConfig, down_bytes: Optional[float] = None,
+            up_bytes: Optional[float] = None, server_s: Optional[float] = None) -> Prediction:
+    """Predicted latency and energy of ``cut`` with ``encoding`` at ``bandwidth_bps``.
+    ``up_bytes`` / ``down_bytes`` / ``server_s``: what crosses the link and the server's
+    time when the caller knows better than the profile (``auto``'s full offload of the
+    camera image: the image's bytes, the server time its frames measured)."""
     if not bandwidth_bps > 0:
         raise ConfigError("bandwidth must be positive")
     if cut.kind == OUTPUT_CUT:
         t = profile.forward_s * cfg.robot_load
         return Prediction(t, cfg.compute_w * t, t, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    up_bytes = cut.wire_bytes(encoding)
+    up_bytes = cut.wire_bytes(encoding) if up_bytes is None else up_bytes
     if up_bytes is None:
         raise ConfigError(f"cut {cut.id[:60]!r} has no measurement for {encoding}")
     down = output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes
@@ -236,7 +240,7 @@ def predict(profile: Profile, cut: CutProfile, encoding: str, bandwidth_bps: flo
     enc = cut.encode_s.get(encoding, 0.0) * cfg.robot_load
     up = up_bytes * 8.0 / bandwidth_bps
     dn = down * 8.0 / bandwidth_bps
-    srv = server_time(profile, cut, cfg)
+    srv = server_time(profile, cut, cfg) if server_s is None else server_s
     latency = head + enc + up + cfg.rtt_s + srv + dn
     energy = cfg.compute_w * (head + enc) + cfg.transmit_w * (up + dn) + cfg.idle_w * (cfg.rtt_s + srv)
     return Prediction(latency, energy, head, enc, up, srv, dn, float(up_bytes), float(down))
