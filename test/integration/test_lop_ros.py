@@ -9,7 +9,8 @@ import torch
 
 from robot_offload import backends
 from robot_offload.client import ClientConfig, OffloadClient
-from robot_offload.partition.loss import Loss, _lop_plan, predict
+from robot_offload.partition.cost import predict_schedule
+from robot_offload.partition.loss import Loss, _lop_plan
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.stats import FrameStats
 
@@ -35,7 +36,7 @@ def test_spatial_schedules_over_ros_services_equal_local(launch, tmp_path):
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
         for step in (3, 8, 13):
             cand = loss.candidate(i, step)
-            plan = _lop_plan(cand, "raw/none", predict(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+            plan = _lop_plan(cand, "raw/none", predict_schedule(st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
             s = FrameStats()
             y = backend.run_schedule(x, plan, s, 60)
             torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))

@@ -19,7 +19,8 @@ from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec, names
 from robot_offload.server.executors.partition import partition_tail
 from robot_offload.partition.graph import capture
-from robot_offload.partition.planner import PlanTable, options, plan_for, server_time
+from robot_offload.partition.cost import server_time
+from robot_offload.partition.planner import PlanTable, options, plan_for
 from robot_offload.partition.profile import output_error, profile_path
 from robot_offload.protocol import ComputeRequest, StatusCode
 from robot_offload.server import LoadedModel, RequestRejected

@@ -12,10 +12,12 @@ from torch import nn
 from robot_offload.errors import ConfigError
 from robot_offload.partition import profile as prof
 from robot_offload.partition.graph import capture
-from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, PlannerConfig, weighted_median,
+from robot_offload.partition.choice import MeasuredChoice
+from robot_offload.partition.planner import (DriftTracker, PlannerConfig, weighted_median,
                                              weighted_quantile,
                                              PlanTable, bandwidth_buckets, best_plan, options,
-                                             output_error_bound, predict)
+                                             output_error_bound)
+from robot_offload.partition.cost import predict_cut
 from robot_offload.partition.profile import CutProfile, Profile, output_error
 
 pytestmark = pytest.mark.robot_side
@@ -57,20 +59,20 @@ def test_latency_and_energy_model_by_hand():
     p = _profile()
     cfg = PlannerConfig(server_speedup=10.0, rtt_s=0.002)
     c = p.cut("a,b")
-    pr = predict(p, c, "int8/zstd", 8 * MB, cfg)
+    pr = predict_cut(p, c, "int8/zstd", 8 * MB, cfg)
     up, down, server = 6_000 * 8 / 8e6, 4_000 * 8 / 8e6, 0.070 / 10
     assert pr.latency_s == pytest.approx(0.030 + 0.0005 + up + 0.002 + server + down)
     assert pr.energy_j == pytest.approx(13.35 * 0.0305 + 4.25 * (up + down) + 4.04 * (0.002 + server))
-    local = predict(p, p.cut("output"), "raw/none", 8 * MB, cfg)
+    local = predict_cut(p, p.cut("output"), "raw/none", 8 * MB, cfg)
     assert local.latency_s == pytest.approx(0.100) and local.energy_j == pytest.approx(1.335)
     assert local.bytes_up == 0 and local.bytes_down == 0
     # The robot's load factor scales robot times; a measured server time replaces the estimate.
-    slow = predict(p, c, "int8/zstd", 8 * MB, PlannerConfig(robot_load=2.0))
+    slow = predict_cut(p, c, "int8/zstd", 8 * MB, PlannerConfig(robot_load=2.0))
     assert slow.head_s == pytest.approx(0.060)
     p.record_server_tail("a,b", 0.5)
-    assert predict(p, c, "int8/zstd", 8 * MB, cfg).server_s == pytest.approx(0.5)
+    assert predict_cut(p, c, "int8/zstd", 8 * MB, cfg).server_s == pytest.approx(0.5)
     with pytest.raises(ConfigError):
-        predict(p, c, "int4/zstd", 8 * MB, cfg)     # not measured
+        predict_cut(p, c, "int4/zstd", 8 * MB, cfg)     # not measured
 
 
 def test_plan_follows_the_bandwidth():
@@ -539,9 +541,9 @@ def test_profile_json_round_trip_and_server_times(small):
     assert q.fresh_tail_s == {} and q.server_factor(10.0, min_s=0) == pytest.approx(0.015 / (t_in / 10))
     assert q.server_factor(10.0, device="cpu", min_s=0) is None
     cfg = PlannerConfig(server_speedup=10.0)
-    assert predict(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(t_in / 10)
+    assert predict_cut(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(t_in / 10)
     q.record_server_tail("input", 0.004, device="cuda:0")
-    assert predict(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(0.004)
+    assert predict_cut(q, q.cut("input"), "raw/none", 8 * MB, cfg).server_s == pytest.approx(0.004)
     p.record_server_tail("input", 0.5, device="cpu")           # another server: start over
     assert p.server == {"device": "cpu", "tail_s": {"input": 0.5}} and p.fresh_tail_s == {"input": 0.5}
     with pytest.raises(ConfigError):

@@ -26,7 +26,7 @@ profile (DynO's scaling factor); when they drift by more than ``replan_threshold
 plans are rebuilt with the new factors, and the measured server tail times are kept in the
 profile (saved when the backend closes).
 
-Close calls are settled by measurement (:class:`~robot_offload.partition.planner.MeasuredChoice`,
+Close calls are settled by measurement (:class:`~robot_offload.partition.choice.MeasuredChoice`,
 latency objective, ``probe_every`` > 0): the bucket's alternatives (the best plan at
 another cut, all local, the best full offload) predicted within ``probe_margin`` of its
 plan, and all local whatever its prediction (timed once for every bucket, kept while it
@@ -46,8 +46,10 @@ import torch
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
-from robot_offload.partition.planner import (DriftTracker, MeasuredChoice, Plan, PlannerConfig,
-                                             PlanTable, admits, predict)
+from robot_offload.partition.cost import predict_cut
+from robot_offload.partition.choice import MeasuredChoice
+from robot_offload.partition.planner import (DriftTracker, Plan, PlannerConfig,
+                                             PlanTable, admits)
 from robot_offload.partition.profile import (DEFAULT_CODECS, DEFAULT_COMPRESSIONS, Profile,
                                              load_or_build)
 from robot_offload.protocol import ComputeRequest
@@ -283,7 +285,7 @@ class LayerPartitionBackend(Backend):
         st = self.state(x)
         bw = bandwidth_bps or plan.bandwidth_bps
         cut_prof = st.profile.cut(plan.cut_id)
-        pred = predict(st.profile, cut_prof, plan.encoding, bw, st.cfg)
+        pred = predict_cut(st.profile, cut_prof, plan.encoding, bw, st.cfg)
         stats.plan = plan.describe()
         stats.predicted_latency_s = pred.latency_s
         t0 = time.perf_counter()

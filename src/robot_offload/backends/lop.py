@@ -50,8 +50,8 @@ from robot_offload.backends.layer_partition import (LayerPartitionBackend, _enco
                                                     frame_codec)
 from robot_offload.errors import OffloadTimeout, RemoteError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut
-from robot_offload.partition.loss import (LopPlan, LopTable, Loss, held_from, join_encoding,
-                                          load_or_solve)
+from robot_offload.partition.cost import join_encoding
+from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
 from robot_offload.partition.planner import PlannerConfig
 from robot_offload.partition.profile import DEFAULT_PROFILE_DIR, encoding_key, split_encoding
 from robot_offload.partition.spatial import Region, SpatialGraph

@@ -66,9 +66,9 @@ partition's 27 ms, won its bucket and measured 27-36 ms.
 
 ``stripe_*`` is the sum over region nodes of the node's robot time times the share of its
 rows that side computes (halo included); ``server_tail`` the measured tail time of ``c2``
-when there is one (as in layer partitioning). Energy: compute power while the robot
-computes, transmit power while it waits for bytes it sends or receives, idle power for the
-rest. As the paper's constraint (2)-(3) keeps transfers below the raw input size, here a
+when there is one (as in layer partitioning). The formulas are
+:func:`robot_offload.partition.cost.predict_schedule`'s (energy: the state model of
+:func:`~robot_offload.partition.cost.state_energy_j`). As the paper's constraint (2)-(3) keeps transfers below the raw input size, here a
 schedule qualifies only with an encoding whose profiled error at both cuts, times the
 planner's safety factor, is within the tolerance.
 
@@ -96,9 +96,11 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
+from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, join_encoding, output_bytes,
+                                          predict_schedule, state_energy_j, tails_s, wire_ratio)
 from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, error_budget,
-                                             options, output_bytes, server_time)
-from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
+                                             options)
+from robot_offload.partition.profile import (CutProfile, Profile, split_encoding)
 from robot_offload.partition.spatial import Region, SpatialGraph
 
 log = logging.getLogger(__name__)
@@ -147,18 +149,6 @@ class StripeCost:
     b_raw_bytes: float
     down_share: float = 1.0
     join_raw_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class LopPrediction:
-    latency_s: float
-    energy_j: float
-    robot_busy_s: float
-    a_bytes: float
-    b_bytes: float
-    server_s: float
-    robot_stripe_s: float = 0.0      # the robot's stripe alone, at the plan's load factors
-    server_stripe_s: float = 0.0     # the server's stripe alone
 
 
 @dataclass(frozen=True)
@@ -236,15 +226,6 @@ def _join_bytes(cut: CutProfile) -> float:
         return float(cut.raw_bytes)
     sizes = [b for e, b in cut.bytes.items() if join_encoding(e) == e]
     return min(sizes) if sizes else 0.0
-
-
-def join_encoding(encoding: str) -> str:
-    """How the server's rows of ``c2`` come down when the robot joins them: lossless if
-    the plan is, else float16, with the plan's compression. Not the plan's integer codec:
-    its range guard (:func:`~robot_offload.backends.layer_partition.frame_codec`) needs
-    the tensors before they are encoded, which here are on the server."""
-    cd, z = split_encoding(encoding)
-    return encoding_key("raw" if cd == "raw" else "float16", z)
 
 
 class Loss:
@@ -344,16 +325,16 @@ class Loss:
             for j, e in enumerate(encodings):
                 if e not in ok:
                     continue
-                ratio_b, ratio_j = _ratio(last, e), 0.0
+                ratio_b, ratio_j = wire_ratio(last, e), 0.0
                 if rc.robot_joins:
                     ratio_b = 0.0          # no B; the join's bytes come down instead
-                    ratio_j = _ratio(last, join_encoding(e))
-                until = (rc.until.raw_bytes * _ratio(rc.until, join_encoding(e))
+                    ratio_j = wire_ratio(last, join_encoding(e))
+                until = (rc.until.raw_bytes * wire_ratio(rc.until, join_encoding(e))
                          if rc.until is not None else 0.0)
                 pair_region.append(ri)
                 pair_enc.append(j)
-                fig.append((_ratio(first, e), ratio_b, ratio_j, until, _enc_s_per_byte(first, e),
-                            _enc_s_per_byte(last, e), ok[e]))
+                fig.append((wire_ratio(first, e), ratio_b, ratio_j, until, encode_s_per_byte(first, e),
+                            encode_s_per_byte(last, e), ok[e]))
         arr = None
         if fig:
             fig_a = np.array(fig, dtype=float)
@@ -448,27 +429,6 @@ def held_from(need_server: Dict[str, Tuple[int, int]], name: str, rows: int) -> 
     return need_server[name][0] if name in need_server else rows
 
 
-def _ratio(cut: CutProfile, encoding: str) -> Optional[float]:
-    """Wire bytes per raw byte of ``encoding`` at ``cut``; cuts the profile did not
-    measure encodings at (not layer-partition candidates) travel raw. Nothing crosses the
-    output cut (a region ending there keeps the robot's rows on the robot), so any
-    encoding goes."""
-    if cut.kind == OUTPUT_CUT:
-        return 1.0
-    if not cut.bytes:
-        return 1.0 if encoding == encoding_key("raw", "none") else None
-    wire = cut.wire_bytes(encoding)
-    if wire is None or not cut.raw_bytes:
-        return None
-    return wire / cut.raw_bytes
-
-
-def _enc_s_per_byte(cut: CutProfile, encoding: str) -> float:
-    if cut.kind == OUTPUT_CUT or not cut.raw_bytes:
-        return 0.0
-    return cut.encode_s.get(encoding, 0.0) / cut.raw_bytes
-
-
 def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List[Tuple[str, float]]:
     """Encodings usable for both transfers of ``cand`` and their profiled error (the worse
     of the two cuts), admitted as by the layer-partition planner (safety factor, output
@@ -477,73 +437,18 @@ def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List
     out = []
     for e in encs:
         last_e = join_encoding(e) if cand.robot_joins else e
-        if _ratio(cand.first, e) is None or _ratio(cand.last, last_e) is None:
+        if wire_ratio(cand.first, e) is None or wire_ratio(cand.last, last_e) is None:
             continue
         err = max(cand.first.codec_error(split_encoding(e)[0]),
                   cand.last.codec_error(split_encoding(last_e)[0]))
         if cand.until is not None:
             until_e = join_encoding(e)
-            if _ratio(cand.until, until_e) is None:
+            if wire_ratio(cand.until, until_e) is None:
                 continue
             err = max(err, cand.until.codec_error(split_encoding(until_e)[0]))
         if admits(cfg, err):
             out.append((e, err))
     return out
-
-
-def predict(profile: Profile, cand: Candidate, encoding: str, bandwidth_bps: float,
-            cfg: PlannerConfig, down_bytes: Optional[float] = None) -> LopPrediction:
-    """Predicted latency and energy of a spatial schedule (see the module docstring)."""
-    if not bandwidth_bps > 0:
-        raise ConfigError("bandwidth must be positive")
-    c = cand.cost
-    r, v = cfg.robot_load, cfg.server_load
-    a_bytes = c.a_raw_bytes * _ratio(cand.first, encoding)
-    b_bytes = c.b_raw_bytes * _ratio(cand.last, encoding)
-    enc_a = r * c.a_raw_bytes * _enc_s_per_byte(cand.first, encoding)
-    enc_b = r * c.b_raw_bytes * _enc_s_per_byte(cand.last, encoding)
-    head = r * (cand.first.head_s if cand.first.kind != INPUT_CUT else 0.0)
-    a_sent = head + enc_a + a_bytes * 8.0 / bandwidth_bps
-    stripe_r, stripe_v = cfg.stripe_loads(cand.first.id, cand.last.id)
-    robot_stripe = r * stripe_r * c.robot_s
-    server_stripe = v * stripe_v * c.server_robot_s / cfg.server_speedup
-    robot = head + enc_a + robot_stripe + enc_b
-    s_ready = a_sent + cfg.rtt_s / 2 + server_stripe
-    b_in = max(robot, a_sent) + b_bytes * 8.0 / bandwidth_bps + cfg.rtt_s / 2
-    if cand.until is not None:
-        down = cand.until.raw_bytes * _ratio(cand.until, join_encoding(encoding))
-    else:
-        down = (output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes)
-        down = down * c.down_share
-    if c.join_raw_bytes:
-        down += c.join_raw_bytes * _ratio(cand.last, join_encoding(encoding))
-    down_s = down * 8.0 / bandwidth_bps
-    tail, robot_tail = _tails(profile, cand, cfg)
-    if cand.robot_joins:
-        # no B: the server's rows come down in A's answer while the robot computes its own
-        latency = max(robot, s_ready + down_s + cfg.rtt_s / 2) + robot_tail
-    else:
-        latency = max(b_in, s_ready) + tail + down_s + cfg.rtt_s / 2 + robot_tail
-    latency += cfg.spatial_overhead_s
-    busy = robot + robot_tail
-    tx = (a_bytes + b_bytes + down) * 8.0 / bandwidth_bps
-    waiting = max(0.0, latency - busy)
-    energy = (cfg.compute_w * busy + cfg.transmit_w * min(waiting, tx)
-              + cfg.idle_w * max(0.0, waiting - tx))
-    return LopPrediction(latency, energy, busy, a_bytes, b_bytes, server_stripe + tail,
-                         robot_stripe, server_stripe)
-
-
-def _tails(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> Tuple[float, float]:
-    """(server, robot) seconds of what runs after the join: the robot joins and runs the
-    tail after c2 (none after the outputs), or the server runs it, up to c3 when the robot
-    takes the rest (``until``)."""
-    if cand.robot_joins:
-        return 0.0, cfg.robot_load * cand.last.tail_s
-    server = server_time(profile, cand.last, cfg)
-    if cand.until is None:
-        return server, 0.0
-    return max(0.0, server - server_time(profile, cand.until, cfg)), cfg.robot_load * cand.until.tail_s
 
 
 def _objective(p, cfg: PlannerConfig) -> float:
@@ -586,7 +491,7 @@ def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
     best, best_key = None, None
     for cand in cands:
         for e, err in encodings_for(loss.profile, cand, cfg):
-            p = predict(loss.profile, cand, e, bandwidth_bps, cfg, down)
+            p = predict_schedule(loss.profile, cand, e, bandwidth_bps, cfg, down)
             key = (_objective(p, cfg), p.a_bytes + p.b_bytes, err)
             if best_key is None or key < best_key:
                 best, best_key = _lop_plan(cand, e, p, bandwidth_bps, err), key
@@ -621,7 +526,7 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     r, v = cfg.robot_load, cfg.server_load
     # per region: its stripe factors and what runs after the join (cfg-dependent)
     stripe = np.array([cfg.stripe_loads(rc.first.id, rc.last.id) for rc in loss.regions])   # (r, 2)
-    tails = np.array([_tails(loss.profile, cands[ri * per], cfg)
+    tails = np.array([tails_s(loss.profile, cands[ri * per], cfg)
                       for ri in range(len(loss.regions))])
     a_raw, b_raw = arr["a_raw"][rows_c], arr["b_raw"][rows_c]
     a_bytes, b_bytes = a_raw * arr["ratio_a"][rows_p], b_raw * arr["ratio_b"][rows_p]
@@ -647,11 +552,8 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     if cfg.objective == "latency":
         obj = latency
     else:
-        busy = robot + robot_tail
         tx = (a_bytes[:, None] + b_bytes[:, None] + down_bytes) * 8.0 / bw
-        waiting = np.maximum(0.0, latency - busy)
-        obj = (cfg.compute_w * busy + cfg.transmit_w * np.minimum(waiting, tx)
-               + cfg.idle_w * np.maximum(0.0, waiting - tx))
+        obj = state_energy_j(cfg, robot + robot_tail, latency, tx, np.maximum, np.minimum)
     obj = np.where(np.isnan(obj), np.inf, obj)
     plans = []
     best = obj.argmin(axis=0)
@@ -663,7 +565,7 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
             plans.append(lp_plan)
             continue
         cand, e = cands[int(rows_c[row])], encs[int(arr["pair_enc"][rows_p[row]])]
-        p = predict(loss.profile, cand, e, b, cfg, down)
+        p = predict_schedule(loss.profile, cand, e, b, cfg, down)
         plans.append(_lop_plan(cand, e, p, b, float(arr["err"][rows_p[row]])))
     return plans
 
@@ -696,7 +598,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
         ok = dict(encodings_for(loss.profile, cand, cfg))
         if encs[ei] not in ok:
             return 1e9
-        return _objective(predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down), cfg)
+        return _objective(predict_schedule(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down), cfg)
 
     bounds = [(0, regions - 1), (0, loss.share_steps - 1), (0, len(encs) - 1)]
     res = differential_evolution(objective, bounds, integrality=np.array([True, True, True]),
@@ -706,7 +608,7 @@ def solve_de(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig, seed: int = 0
     if res.fun >= 1e9:
         return None, evals[0]
     cand = loss.candidate(ri, step)
-    return _lop_plan(cand, encs[ei], predict(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down),
+    return _lop_plan(cand, encs[ei], predict_schedule(loss.profile, cand, encs[ei], bandwidth_bps, cfg, down),
                      bandwidth_bps), evals[0]
 
 
@@ -741,7 +643,7 @@ class LopTable:
 
     def predictions(self) -> Dict[Tuple, Dict[int, float]]:
         """Spatial schedule key -> {bucket index: predicted latency (s)} (see
-        :meth:`~robot_offload.partition.planner.MeasuredChoice.carry_errors`)."""
+        :meth:`~robot_offload.partition.choice.MeasuredChoice.carry_errors`)."""
         out: Dict[Tuple, Dict[int, float]] = {}
         for i, p in enumerate(self.plans):
             if p.spatial:

@@ -2,18 +2,8 @@
 minimise predicted latency or robot energy, subject to an output-error tolerance. Pure:
 it reads a :class:`~robot_offload.partition.profile.Profile` and does arithmetic.
 
-Latency model of one inference with cut ``c`` and encoding ``e`` at bandwidth ``B``::
-
-    head   = robot_load * head_s(c)                      robot computes the head
-    encode = robot_load * encode_s(c, e)                 robot quantises / shuffles / compresses
-    up     = bytes(c, e) * 8 / B                         crossing tensors go up
-    server = measured tail time of c on the server, else tail_s(c) / server_speedup * server_load
-    down   = output bytes * 8 / B                        outputs come down
-    latency = head + encode + up + rtt + server + down   (the output cut: robot_load * forward_s)
-
-Energy (the state model of :mod:`robot_offload.power`, phases in sequence)::
-
-    energy = compute_w * (head + encode) + transmit_w * (up + down) + idle_w * (rtt + server)
+Each (cut, encoding) is predicted by the one cost model, :func:`robot_offload.partition.cost.predict_cut`
+(latency: head, encode, up, RTT, server tail, down; energy: the state model).
 
 Constraint: ``error_tolerance`` bounds the relative L-infinity error
 (:func:`~robot_offload.partition.profile.output_error`) of what the backend returns against
@@ -35,15 +25,13 @@ time); :class:`DriftTracker` maintains them and says when the plans must be rebu
 
 import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 from robot_offload import codec
 from robot_offload.errors import ConfigError
+from robot_offload.partition.cost import Prediction, output_bytes, predict_cut
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
 from robot_offload.power import COMPUTE_W, IDLE_W, TRANSMIT_W
@@ -83,7 +71,7 @@ class PlannerConfig:
     tie_margin: float = 0.01            # objectives within this fraction of the best are
                                         # equal: the lowest profiled error among them wins
     spatial_overhead_s: float = 0.005   # lop: what a spatial frame costs beyond its modelled
-                                        # transfers and stripes (see loss.predict)
+                                        # transfers and stripes (see cost.predict_schedule)
 
     def validate(self) -> "PlannerConfig":
         if self.objective not in OBJECTIVES:
@@ -114,19 +102,6 @@ class PlannerConfig:
             if first == first_id and last == last_id:
                 return robot, server
         return self.stripe_robot_load, self.stripe_server_load
-
-
-@dataclass(frozen=True)
-class Prediction:
-    latency_s: float
-    energy_j: float
-    head_s: float
-    encode_s: float
-    up_s: float
-    server_s: float
-    down_s: float
-    bytes_up: float
-    bytes_down: float
 
 
 @dataclass(frozen=True)
@@ -166,20 +141,6 @@ class Plan:
         return f"cut={self.label} enc={self.codec}/{self.compression}"
 
 
-def output_bytes(profile: Profile, output_codec: str) -> float:
-    """Bytes of the outputs as the server encodes them (uncompressed; without a per-channel
-    codec's 8 bytes per channel, which the profile's leaf sizes do not give)."""
-    bits = 16 if output_codec == "float16" else codec.quant_bits(output_codec)
-    total = 0
-    for numel, dtype in profile.output_leaves:
-        floating = dtype in ("float32", "float64", "float16", "bfloat16")
-        if bits is None or not floating:
-            total += numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        else:
-            total += (numel * bits + 7) // 8
-    return float(total)
-
-
 def output_error_bound(output_codec: str) -> float:
     """Largest relative error (max|dy| / max|y|) the server's output encoding can add: 0 for
     raw, 2**-11 for float16 (round to nearest), and for the b-bit integer codecs half a step
@@ -207,43 +168,6 @@ def admits(cfg: PlannerConfig, error: float) -> bool:
     """Whether an activation encoding with (profiled or estimated) output error ``error``
     qualifies at an offloading cut under ``cfg`` (see the module docstring)."""
     return error * cfg.error_safety <= error_budget(cfg)
-
-
-def server_time(profile: Profile, cut: CutProfile, cfg: PlannerConfig) -> float:
-    """The server's time for ``cut``'s tail: measured in this run if it was, else the
-    robot's tail time / ``server_speedup`` x ``server_load``. (Times saved by an earlier
-    run are not used per cut: a cut measured under another load would keep that time until
-    chosen again; they seed ``server_load`` instead, see Profile.server_factor.)"""
-    measured = profile.fresh_tail_s.get(cut.id)
-    if measured is not None:
-        return measured
-    return cut.tail_s / cfg.server_speedup * cfg.server_load
-
-
-def predict(profile: Profile, cut: CutProfile, encoding: str, bandwidth_bps: float,
-            cfg: PlannerConfig, down_bytes: Optional[float] = None,
-            up_bytes: Optional[float] = None, server_s: Optional[float] = None) -> Prediction:
-    """Predicted latency and energy of ``cut`` with ``encoding`` at ``bandwidth_bps``.
-    ``up_bytes`` / ``down_bytes`` / ``server_s``: what crosses the link and the server's
-    time when the caller knows better than the profile (``auto``'s full offload of the
-    camera image: the image's bytes, the server time its frames measured)."""
-    if not bandwidth_bps > 0:
-        raise ConfigError("bandwidth must be positive")
-    if cut.kind == OUTPUT_CUT:
-        t = profile.forward_s * cfg.robot_load
-        return Prediction(t, cfg.compute_w * t, t, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    up_bytes = cut.wire_bytes(encoding) if up_bytes is None else up_bytes
-    if up_bytes is None:
-        raise ConfigError(f"cut {cut.id[:60]!r} has no measurement for {encoding}")
-    down = output_bytes(profile, cfg.output_codec) if down_bytes is None else down_bytes
-    head = cut.head_s * cfg.robot_load
-    enc = cut.encode_s.get(encoding, 0.0) * cfg.robot_load
-    up = up_bytes * 8.0 / bandwidth_bps
-    dn = down * 8.0 / bandwidth_bps
-    srv = server_time(profile, cut, cfg) if server_s is None else server_s
-    latency = head + enc + up + cfg.rtt_s + srv + dn
-    energy = cfg.compute_w * (head + enc) + cfg.transmit_w * (up + dn) + cfg.idle_w * (cfg.rtt_s + srv)
-    return Prediction(latency, energy, head, enc, up, srv, dn, float(up_bytes), float(down))
 
 
 def options(profile: Profile, cfg: PlannerConfig) -> List[Tuple[CutProfile, str, float]]:
@@ -282,7 +206,7 @@ def _ranked(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
     down = output_bytes(profile, cfg.output_codec)
     scored = []
     for c, e, err in choices:
-        p = predict(profile, c, e, bandwidth_bps, cfg, down)
+        p = predict_cut(profile, c, e, bandwidth_bps, cfg, down)
         obj = p.latency_s if cfg.objective == "latency" else p.energy_j
         scored.append((obj, p.bytes_up, err, (c, e, err, p)))
     best = min(obj for obj, _, _, _ in scored)
@@ -319,7 +243,7 @@ def plan_for(profile: Profile, cut_id: str, encoding: str, bandwidth_bps: float,
     c = profile.cut(cut_id)
     if c.kind == OUTPUT_CUT:
         encoding = encoding_key("raw", "none")
-    p = predict(profile, c, encoding, bandwidth_bps, cfg)
+    p = predict_cut(profile, c, encoding, bandwidth_bps, cfg)
     cd, z = split_encoding(encoding)
     return Plan(cut_id=c.id, kind=c.kind, label=c.label, crossing=tuple(c.crossing), codec=cd,
                 compression=z, error=c.codec_error(cd), bandwidth_bps=bandwidth_bps, prediction=p)
@@ -501,256 +425,3 @@ def weighted_quantile(samples, q: float) -> float:
 
 def weighted_median(samples) -> float:
     return weighted_quantile(samples, 0.5)
-
-
-def _describe(plan) -> str:
-    describe = getattr(plan, "describe", None)
-    return describe() if callable(describe) else str(plan.key)
-
-
-class MeasuredChoice:
-    """Measured latency decides between the planned plan and its alternatives when the
-    prediction cannot.
-
-    DynO's re-planning (:class:`DriftTracker`) corrects the profile from what frames
-    measure, but a plan only times the side it runs on: the input cut never times the
-    robot, the output cut never the server, so a stale profile of the other side is never
-    corrected, and the planner's 3-49 % prediction error decides close calls at random
-    (a planner choosing full offload at 1.43 s predicted against 1.50 s for a local
-    forward that now takes 1.26 s). Per bandwidth bucket, the alternatives predicted
-    within ``margin`` of the plan (:attr:`PlanTable.alternatives`: the best plan at another
-    cut, all local, the best full offload), those predicted faster than the plan measures,
-    and all local whatever its prediction (:meth:`candidate`), are run and timed too: each
-    as a probe until it has ``min_samples`` measurements (once the plan has one), then one
-    of them in turn every ``every`` frames of the bucket; an alternative that has run
-    elsewhere is no probe in a new bucket when its prediction, corrected by the error it
-    measured, is more than ``known_margin`` slower than the plan's corrected the same way
-    (:meth:`ruled_out`); a new bucket starts from the plan, or from an alternative whose
-    corrected prediction is more than ``known_margin`` faster (:meth:`lead`); between
-    probes the bucket serves
-    the candidate whose median of the last ``window`` measured latencies is lowest. A probe
-    is a real frame (its outputs are used); it costs at most ``margin`` more than the
-    prediction said, or less than the plan measures. Once a candidate has its samples in
-    a bucket, its median there, not its prediction, keeps it a candidate; the plan a
-    neighbouring bucket serves as its fastest is timed in a bucket that has not run it
-    (:meth:`nearby_best`). Measurements are kept per plan key
-    (cut and encoding), so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
-    (all local) is measured once for every bucket: its latency does not depend on the link,
-    and a noisy bandwidth estimate that hops between buckets would otherwise make each new
-    bucket probe it again. A plan is anything with a ``key`` and a predicted
-    ``latency_s``: lop uses it between a spatial schedule and the layer partition of the
-    same bucket."""
-
-    def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2,
-                 known_margin: float = 0.10):
-        if (not margin >= 0 or not known_margin >= 0 or every < 1 or window < 1
-                or not 1 <= min_samples <= window):
-            raise ConfigError("need margin >= 0, known_margin >= 0, every >= 1, window >= 1 and "
-                              "1 <= min_samples <= window")
-        self.margin, self.every, self.window, self.min_samples = margin, every, window, min_samples
-        self.known_margin = known_margin
-        self._latency: Dict[Tuple[object, object], deque] = {}
-        #: plan key -> measured / predicted latency of its last frames, in any bucket
-        self._error: Dict[object, deque] = {}
-        self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
-        self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
-        self._best: Dict[object, object] = {}  # bucket -> key of its fastest measured plan
-        self.probes = 0
-        #: why the last :meth:`choose` picked what it did, for the frame's stats: ``reason``
-        #: (planned, lead, fewer samples, periodic probe, fastest measured) and the
-        #: candidates' measured medians in the bucket (ms; None before their first frame)
-        self.last: Dict[str, object] = {}
-
-    def close_call(self, plan, alternative) -> bool:
-        """``alternative`` is predicted within ``margin`` of ``plan``."""
-        return (alternative is not None and alternative.key != plan.key
-                and alternative.latency_s <= plan.latency_s * (1 + self.margin))
-
-    def candidate(self, bucket, plan, alternative) -> bool:
-        """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``.
-
-        Measured here (``min_samples`` frames): while its median is within ``margin`` of
-        the plan's. Its latency in this bucket is the best evidence there is, whatever was
-        predicted: an alternative that ran faster than the plan here used to be dropped
-        when it was no close call by prediction, and the bucket went back to the slower
-        plan (MobileNetV2 at 100 Mbit/s on the testbed: the input cut measured
-        25 ms, served a cut measured 30).
-
-        Not yet measured here: the plan a neighbouring bucket serves as the fastest it
-        measured (:meth:`nearby_best`); a close call; one predicted faster than the plan's
-        measured median; all local whatever its prediction -- unless :meth:`ruled_out`
-        (never for the neighbour's pick).
-
-        All local is the one alternative measured whatever its prediction, because being
-        wrong about it is what costs most on the small models (MobileNetV2, RegNetY: a
-        profile that predicted all local 1.3x slower than the plan while it ran 1.3x
-        faster, so it was never timed and the bucket kept offloading) and because timing
-        it is cheap: its measurements serve every bucket (see :meth:`_mkey`), so a run
-        pays ``min_samples`` frames of it once, not once per bucket."""
-        if alternative is None or alternative.key == plan.key:
-            return False
-        n = self._count(bucket, alternative)
-        ref = self.median_s(bucket, plan)
-        if n >= self.min_samples:
-            return ref is None or self.median_s(bucket, alternative) <= ref * (1 + self.margin)
-        if self.nearby_best(bucket, alternative):
-            return True
-        if n == 0 and self.ruled_out(plan, alternative):
-            return False
-        if self.close_call(plan, alternative):
-            return True
-        if not getattr(alternative, "link_free", False):
-            # Or the plan measures slower than the alternative is predicted: the
-            # prediction that ruled it out is wrong (lop's LOSS chose all local under a
-            # robot load factor of 0.5, measured 80 ms, while the layer partition it
-            # ruled out, predicted 50 ms, ran 55 ms and was never timed).
-            return ref is not None and alternative.latency_s < ref
-        return True
-
-    def nearby_best(self, bucket, plan) -> bool:
-        """``plan`` is what a neighbouring bucket (index +-1, one bandwidth step) served
-        last as the fastest it measured. The bandwidth estimate hops between neighbouring
-        buckets every few frames, and their plans' latencies differ by a bandwidth step
-        at most; a bucket that had never timed its neighbour's fastest plan kept serving
-        its own plan, measured slower (DenseNet-121 at 50 Mbit/s on the testbed:
-        lop's spatial schedule at 86 ms for 7 frames while the input cut ran 74 ms in the
-        next bucket). Buckets that are not integers have no neighbours."""
-        if not isinstance(bucket, int):
-            return False
-        return any(self._best.get(b) == plan.key for b in (bucket - 1, bucket + 1))
-
-    def corrected_s(self, plan) -> Optional[float]:
-        """``plan``'s prediction times the median measured / predicted ratio of its last
-        frames in any bucket (None before ``min_samples`` of them)."""
-        errors = self._error.get(plan.key)
-        if not errors or len(errors) < self.min_samples:
-            return None
-        return plan.latency_s * statistics.median(errors)
-
-    def ruled_out(self, plan, alternative) -> bool:
-        """Both plans have run, in this bucket or others, and ``alternative``'s prediction
-        corrected by its measured error is more than ``known_margin`` slower than the plan's
-        corrected the same way: not worth a first probe in a bucket where it has not run
-        (once it has, its latency there decides, see :meth:`candidate`).
-
-        A plan's prediction errs by about the same factor in every bucket (its compute
-        times, its per-call costs; the bandwidth is what changes), while its latency does
-        not carry over. On a bandwidth trace the estimate crosses a bucket every few
-        frames, and each new bucket used to time every close call again: ConvNeXt-T's
-        frames on the indoor trace were probes in 7 of 10, of cuts
-        predicted within 25 % of the bucket's plan and measured 25 % slower in the buckets
-        before."""
-        ap, pp = self.corrected_s(alternative), self.corrected_s(plan)
-        return ap is not None and pp is not None and ap > pp * (1 + self.known_margin)
-
-    @staticmethod
-    def _mkey(bucket, plan) -> Tuple[object, object]:
-        return (None if getattr(plan, "link_free", False) else bucket, plan.key)
-
-    def median_s(self, bucket, plan) -> Optional[float]:
-        d = self._latency.get(self._mkey(bucket, plan))
-        return statistics.median(d) if d else None
-
-    def _count(self, bucket, plan) -> int:
-        return len(self._latency.get(self._mkey(bucket, plan), ()))
-
-    def lead(self, bucket, plan, alternatives):
-        """The plan ``bucket`` is judged from: ``plan``, unless it has not run in this
-        bucket and an alternative is predicted, both corrected by their measured errors
-        (:meth:`corrected_s`), more than ``known_margin`` faster; then the fastest such
-        alternative leads, and ``plan`` is a candidate beside it only as :meth:`candidate`
-        allows (so not while it is ruled out).
-
-        Without this the planned plan ran first in every new bucket however it had
-        measured elsewhere, and the bandwidth estimate crosses buckets every few frames (on
-        the testbed's constant 100 Mbit/s link too, MobileNetV2's estimates ranged
-        0.6-169 Mbit/s, and lop's spatial schedule at 50 Mbit/s,
-        predicted at least 5 % faster than the layer partition, ran 55 % slower in 5 of
-        21 frames)."""
-        pp = self.corrected_s(plan)
-        if pp is None or self._count(bucket, plan):
-            return plan
-        best, best_s = plan, pp
-        for a in alternatives or ():
-            if a.key == plan.key:
-                continue
-            s = self.corrected_s(a)
-            if s is not None and s * (1 + self.known_margin) < pp and s < best_s:
-                best, best_s = a, s
-        return best
-
-    def choose(self, bucket, plan, alternatives,
-               handicap: Optional[Dict[object, float]] = None) -> Tuple[object, bool]:
-        """(the plan to run, whether it is a probe). ``handicap``: plan key -> a factor
-        (>= 1) its measured median is multiplied by when the candidates are ranked: a plan
-        that must measure that much faster than the others to be served (lop gives its
-        spatial schedules one, see :class:`~robot_offload.backends.lop.LopBackend`)."""
-        alternatives = list(alternatives or ())
-        lead = self.lead(bucket, plan, alternatives)
-        led = lead is not plan
-        if led:
-            alternatives, plan = [plan] + [a for a in alternatives if a is not lead], lead
-        cands = {plan.key: plan}
-        for a in alternatives:
-            if self.candidate(bucket, plan, a):
-                cands.setdefault(a.key, a)
-        medians = {k: self.median_s(bucket, c) for k, c in cands.items()}
-        self.last = {"led": led, "medians_ms": {
-            _describe(c): (None if medians[k] is None else round(medians[k] * 1e3, 1))
-            for k, c in cands.items()}}
-        if len(cands) == 1 or medians[plan.key] is None:
-            self.last["reason"] = "lead" if led else "planned"
-            return plan, False
-        handicap = handicap or {}
-        best = min((c for k, c in cands.items() if medians[k] is not None),
-                   key=lambda c: medians[c.key] * max(1.0, handicap.get(c.key, 1.0)))
-        self._best[bucket] = best.key
-        others = [c for c in cands.values() if c.key != best.key]
-        under = [c for c in others if self._count(bucket, c) < self.min_samples]
-        if under or self._since.get(bucket, 0) >= self.every:
-            self._since[bucket] = 0
-            self.probes += 1
-            if under:
-                self.last["reason"] = "probe: fewer than min_samples"
-                return under[0], True
-            turn = self._turn.get(bucket, 0)
-            self._turn[bucket] = turn + 1
-            self.last["reason"] = "probe: periodic"
-            return others[turn % len(others)], True
-        self._since[bucket] = self._since.get(bucket, 0) + 1
-        self.last["reason"] = "fastest measured"
-        return best, False
-
-    def carry_errors(self, old: Dict[object, Dict[int, float]], new: Dict[object, Dict[int, float]]) -> None:
-        """The plans were predicted again (new load or stripe factors): ``old`` and ``new``
-        map plan keys to {bucket index: predicted latency} of the tables before and after.
-        The measured / predicted ratios of a key ``old`` predicted are moved onto the new
-        predictions (times the median old / new prediction over the buckets where both
-        predict it), or dropped where ``new`` does not predict it there; other keys' stay.
-
-        A plan keeps its key across re-plans while its prediction moves with the factors.
-        KAPAO's spatial schedule with no saved profile (a KAPAO-only run) was predicted at
-        106-206 ms under the speed-up guess and measured 320-390 ms; once the server's load
-        factor was measured, the same schedule was predicted at 295 ms, but the old ratios
-        (2-3x) corrected that to 800 ms and the layer partition led every bucket of the
-        indoor and outdoor traces. Dropping them instead cost the small models their
-        errors at every re-plan (MobileNetV2: 29 in one run), and with them the rule that
-        keeps known slow alternatives from being probed in each new bucket."""
-        for key in [k for k in self._error if k in old]:
-            o, n = old[key], new.get(key, {})
-            scale = [o[b] / n[b] for b in o if b in n and o[b] > 0 and n[b] > 0]
-            if not scale:
-                del self._error[key]
-                continue
-            f = statistics.median(scale)
-            errors = self._error[key]
-            self._error[key] = deque((e * f for e in errors), maxlen=errors.maxlen)
-
-    def observe(self, bucket, plan, latency_s: float) -> None:
-        """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
-        more than infer, e.g. the one that measured the profile)."""
-        if math.isfinite(latency_s) and latency_s >= 0:
-            self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(latency_s)
-            if plan.latency_s > 0 and math.isfinite(plan.latency_s):
-                self._error.setdefault(plan.key, deque(maxlen=2 * self.window)).append(
-                    latency_s / plan.latency_s)
