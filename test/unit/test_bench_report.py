@@ -193,3 +193,15 @@ def test_the_oracle_picks_the_best_fixed_mode_per_window_of_the_trace():
     assert lo <= float(ratio) <= hi
     # no auto in the cell, or no fixed mode: no row
     assert oracle_table([r for r in rows if r["mode_asked"] != "auto"]) == ""
+
+
+def test_auto_frames_have_a_prediction_row_per_candidate():
+    rows = [dict(model="m", trace="t", mode_asked="auto", executed_mode="auto", lost=False, latency_s=0.1,
+                 predicted_latency_s=0.08, plan="auto:lop lop:cut=x enc=raw/none"),
+            dict(model="m", trace="t", mode_asked="auto", executed_mode="auto", lost=False, latency_s=0.05,
+                 predicted_latency_s=0.05, plan="auto:full_offload_image input=frame uint8/none")]
+    table = prediction_table(rows)
+    lop = [c.strip() for c in next(line for line in table.splitlines() if "| auto:lop |" in line).strip("|").split("|")]
+    img = [c.strip() for c in next(line for line in table.splitlines()
+                                   if "| auto:full_offload_image |" in line).strip("|").split("|")]
+    assert lop[2:6] == ["1", "80", "100", "20"] and img[2:6] == ["1", "50", "50", "0"]

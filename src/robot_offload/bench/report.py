@@ -193,12 +193,16 @@ def oracle_table(rows: Sequence[dict], chooser: str = "auto") -> str:
 
 
 def prediction_table(rows: Sequence[dict]) -> str:
-    """The planners' predicted latency against the measured one, per model and mode
-    (frames with a prediction: layer_partition and lop), with the plans they ran."""
+    """The cost model's predicted latency against the measured one, per model and mode
+    (frames with a prediction: layer_partition, lop, and auto per candidate), with the
+    plans they ran."""
     frames = [r for r in rows if not r.get("lost") and r.get("executed_mode") == r.get("mode_asked")
               and np.isfinite(float(r.get("predicted_latency_s", float("nan"))))]
     lines = ["| model | mode | frames | median predicted ms | median measured ms | "
              "median abs. error % | plans (frames) |", "|---|---|---|---|---|---|---|"]
+    # auto: one row per candidate it ran (its plan starts with auto:<candidate>)
+    frames = [dict(r, mode_asked=str(r.get("plan", "")).split(" ")[0]) if r.get("mode_asked") == "auto"
+              else r for r in frames]
     for (model, mode), rs in sorted(_group(frames, ("model", "mode_asked")).items()):
         pred = np.array([float(r["predicted_latency_s"]) for r in rs])
         act = np.array([float(r["latency_s"]) for r in rs])
