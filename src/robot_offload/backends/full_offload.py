@@ -63,7 +63,9 @@ class FullOffloadBackend(Backend):
             return self._tensor_instead(frame, stats, timeout_s, why)
         cfg = self.ctx.config
         t0 = time.perf_counter()
-        enc = codec.encode(torch.from_numpy(np.ascontiguousarray(frame)), "frame", "raw", cfg.compression)
+        # a read-only frame (a ROS message's buffer) is copied rather than shared with torch
+        data = frame if frame.flags.c_contiguous and frame.flags.writeable else np.array(frame, order="C")
+        enc = codec.encode(torch.from_numpy(data), "frame", "raw", cfg.compression)
         args = json.dumps({"input_size": [int(s) for s in self.ctx.input_size]})
         t1 = time.perf_counter()
         try:
