@@ -303,7 +303,8 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
            "The limit of a full_offload frame: its input bytes and its output bytes at the "
            "trace's rate, the server's compute and one request round trip; latency / limit "
            "is how far the frame is from it (constant-rate traces only: a varying trace's "
-           "rate during a frame is not recorded).\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
+           "rate during a frame is not recorded).\n"]
+    md += [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
     md += ["", "## Modes side by side (median latency)\n", comparison_table(frames), "",
            "## Same work in every mode (the run's noise floor)\n",
            "Median latency of the frames that computed the whole model on the robot, per mode "
