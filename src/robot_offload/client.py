@@ -145,7 +145,7 @@ class OffloadClient:
 
     @property
     def input_size(self) -> Tuple[int, ...]:
-        return tuple(self.config.input_size) or self.spec.input_size
+        return self._ctx.input_size
 
     def connect(self, timeout_s: Optional[float] = None) -> bool:
         """Reach the server and load the model there (probing in the background if not)."""
@@ -183,29 +183,43 @@ class OffloadClient:
         return self.spec.preprocess(frame, self.input_size)
 
     def process(self, frame):
-        """Preprocess one raw frame and run it (see :meth:`infer`)."""
+        """Run one raw frame (a uint8 H x W x 3 image, or a point cloud for point-cloud
+        models); returns ``(outputs, stats)``. The backend decides where the frame is
+        preprocessed (``full_offload`` sends an image as it is); a local fallback
+        preprocesses it on the robot, once. Never raises for server trouble (see
+        :meth:`infer`)."""
         stats = FrameStats()
         t0 = time.perf_counter()
-        x = self.preprocess(frame)
-        stats.add_compute(t0, time.perf_counter())
-        return self.infer(x, stats, t0)
+        ctx, timeout_s = self._ctx, self.config.timeout_s
+        try:
+            return self._run(stats, t0, lambda b: b.infer_frame(frame, stats, timeout_s),
+                             lambda: ctx.preprocess(frame, stats))
+        finally:
+            ctx.forget(frame)
 
     def infer(self, x: torch.Tensor, stats: Optional[FrameStats] = None,
               t0: Optional[float] = None):
         """Run one batched input; returns ``(outputs, stats)``. Never raises for server
         trouble: the frame is computed locally and ``stats.fallback_reason`` says why."""
-        mode = self.mode
         stats = stats or FrameStats()
+        t0 = time.perf_counter() if t0 is None else t0
+        timeout_s = self.config.timeout_s
+        return self._run(stats, t0, lambda b: b.infer(x, stats, timeout_s), lambda: x)
+
+    def _run(self, stats: FrameStats, t0: float, run, local_input):
+        """The one path of every frame: ``run(backend)`` on the current mode's backend,
+        or, when the server is unavailable or fails, the local model on
+        ``local_input()``; then the frame's totals and energy."""
+        mode = self.mode
         stats.mode, stats.model = mode, self.config.model
         stats.predicted_bandwidth_bps = self.predicted_bandwidth_bps
-        t0 = time.perf_counter() if t0 is None else t0
         backend = self._get_backend(mode)
         outputs = None
         if backend.needs_server and not self.link.available:
             stats.fallback_reason = f"server unavailable: {self.link.last_error}"
         else:
             try:
-                outputs = backend.infer(x, stats, self.config.timeout_s)
+                outputs = run(backend)
                 stats.executed_mode = mode
             except Incompatible as e:
                 # the server is fine; this mode cannot use it (robot_offload.compat)
@@ -222,7 +236,7 @@ class OffloadClient:
         if outputs is None:
             if backend.needs_server:
                 self.fallbacks += 1
-            outputs = self._local.infer(x, stats, self.config.timeout_s)
+            outputs = self._local.infer(local_input(), stats, self.config.timeout_s)
             stats.executed_mode = "local"
         t1 = time.perf_counter()
         stats.processing_s = t1 - t0

@@ -138,6 +138,11 @@ def _payload_size(shape: Sequence[int], dtype: str, codec: str) -> int:
     return _header_size(shape, codec) + (_numel(shape) * _element_bits(dtype, codec) + 7) // 8
 
 
+def payload_size(shape: Sequence[int], dtype: str = "float32", codec: str = "raw") -> int:
+    """Bytes of the uncompressed payload of a ``dtype`` tensor of ``shape`` in ``codec``."""
+    return _payload_size(shape, dtype, codec)
+
+
 def _channel_view(t: torch.Tensor, per_channel: torch.Tensor) -> torch.Tensor:
     """``per_channel`` (C values) shaped to broadcast along dimension 1 of ``t``."""
     return per_channel.view([1, -1] + [1] * (t.dim() - 2)) if t.dim() >= 2 else per_channel

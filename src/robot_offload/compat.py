@@ -27,6 +27,12 @@ for the operators the client listed, the ones it would read differently
 * **Whole-model modes** (``full_offload``, ``layer_partition``, ``lop``) send tensors as
   bytes, dtype and shape; other torch versions on the two sides are fine once the
   protocol matches (and the weights hash, which ``load_model`` checks).
+* **Compute entries.** A new entry is no protocol change (the existing entries read
+  their requests as before), so it does not bump :data:`PROTOCOL_VERSION`: a server of an
+  earlier release answers it ``UNKNOWN_ENTRY``, and the client goes on with the entries
+  that server has. ``full_offload`` sends camera images to ``forward_image``; a server
+  without it gets the preprocessed tensor (``forward``) from then on, remembered per
+  server id (:mod:`robot_offload.backends.full_offload`).
 
 Pure data and arithmetic, apart from the schema functions at the end, which read this
 process's torch; no server code (the robot and the server both import it).

@@ -116,6 +116,24 @@ def test_each_mode_computes_what_the_robot_computes(server, tmp_path, mode):
         c.close()
 
 
+def test_full_offload_sends_the_camera_frame_and_the_server_preprocesses_it(server):
+    """The camera's uint8 frame to the server's forward_image: the server preprocesses it
+    on its torch with the function the robot's torch runs for local frames."""
+    c = _client("full_offload")
+    rng = np.random.default_rng(5)
+    try:
+        assert c.connect(), c.link.last_error
+        for frame in (rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+                      rng.integers(0, 256, (45, 50), dtype=np.uint8)):
+            y, stats = c.process(frame)
+            assert stats.executed_mode == "full_offload" and not stats.fallback_reason, stats.fallback_reason
+            assert stats.plan == "input=frame uint8/none" and stats.bytes_up == frame.nbytes
+            with torch.inference_mode():
+                _same(y, c.model(c.preprocess(frame)))
+    finally:
+        c.close()
+
+
 def test_every_layer_partition_cut_joins_the_two_sides(server, tmp_path):
     """The head on the robot's torch, the tail on the server's: each side cuts its own
     trace of the model at the same node."""

@@ -3,6 +3,7 @@ camera -> offload_client -> offload_server, mode switching through the parameter
 and the ~set_mode service, fallback when the server dies and recovery when it returns,
 and a server that survives malformed requests."""
 
+import json
 import subprocess
 import time
 
@@ -50,7 +51,12 @@ def stats():
 
 
 def test_frames_flow_and_stats_are_sane(launch, stats):
-    launch.start("demo.launch", *ROBOT_ARGS, "mode:=full_offload")
+    """A camera of the model's input size (64 x 64): full_offload sends its uint8 frames
+    (12 KB, not the 48 KB float32 input) and the server preprocesses them."""
+    launch.start("server.launch")
+    launch.start("robot.launch", *ROBOT_ARGS, "mode:=full_offload", "camera:=false")
+    launch.rosrun("robot_offload", "camera_node", "__name:=camera", "_width:=64", "_height:=64",
+                  "_rate_hz:=10", "image:=/camera/image", "camera_info:=/camera/camera_info")
     results = []
     sub = rospy.Subscriber("/offload_client/result", InferenceResult, results.append, queue_size=10)
     try:
@@ -64,12 +70,22 @@ def test_frames_flow_and_stats_are_sane(launch, stats):
         assert m.mode == "full_offload" and m.model == "resnet18" and m.header.frame_id == "camera"
         assert 0 < m.latency_s < 5 and m.server_compute_s > 0 and m.robot_compute_s > 0
         assert m.transfer_s >= 0 and m.round_trips == 1
-        assert m.bytes_up == 3 * 64 * 64 * 4 and m.bytes_down == 1000 * 4
+        assert m.plan == "input=frame uint8/none"
+        assert m.bytes_up == 64 * 64 * 3 and m.bytes_down == 1000 * 4
         assert m.frames_received >= m.frames_processed + m.frames_dropped
     last = offloaded[-1]
     assert last.frames_processed > first.frames_processed
     assert results and results[-1].model == "resnet18" and len(results[-1].outputs) == 1
     assert list(results[-1].outputs[0].shape) == [1, 1000]
+
+
+def test_a_camera_larger_than_the_input_sends_the_preprocessed_input(launch, stats):
+    """The launch's 640 x 480 camera for a 64 x 64 input: the float32 input (48 KB) is
+    smaller than the frame (900 KB), so the robot preprocesses and sends it."""
+    launch.start("demo.launch", *ROBOT_ARGS, "mode:=full_offload")
+    _, m = stats.wait_for(lambda m: m.executed_mode == "full_offload", 90)
+    assert m.plan == "input=tensor raw/none" and m.bytes_up == 3 * 64 * 64 * 4 and m.round_trips == 1
+    assert "smaller than the frame" in json.loads(m.detail_json)["full_offload"]["tensor_because"]
 
 
 def test_mode_switch_through_parameter_server_and_service(launch, stats):

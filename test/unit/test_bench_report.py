@@ -205,3 +205,28 @@ def test_auto_frames_have_a_prediction_row_per_candidate():
     img = [c.strip() for c in next(line for line in table.splitlines()
                                    if "| auto:full_offload_image |" in line).strip("|").split("|")]
     assert lop[2:6] == ["1", "80", "100", "20"] and img[2:6] == ["1", "50", "50", "0"]
+
+
+def test_physical_limit_of_full_offload_frames():
+    """Input and output at the trace's rate, the server's compute and one round trip: the
+    frame's limit, and its latency over it, on constant-rate traces only."""
+    from robot_offload.bench.report import add_physical_limits, physical_limit_check
+    from robot_offload.testbed import traces as tr
+    traces = {"const10M": tr.constant(10e6, 60.0), "outdoor": tr.outdoor(60.0)}
+    rows = [dict(model="m", trace=trace, mode_asked="full_offload", executed_mode="full_offload", lost=False,
+                 latency_s=lat, bytes_up=150_528, bytes_down=4000, server_compute_s=0.010, request_rtt_ms=2.0)
+            for trace in traces for lat in (0.150, 0.200, 0.300)]
+    rows.append(dict(model="m", trace="const10M", mode_asked="full_offload", executed_mode="local", lost=False,
+                     latency_s=0.5, bytes_up=0, bytes_down=0, server_compute_s=0.0, request_rtt_ms=2.0))
+    add_physical_limits(rows, traces)
+    # 154528 bytes at 10 Mbit/s = 123.6224 ms, + 10 ms server + 2 ms RTT
+    limit = 0.1236224 + 0.010 + 0.002
+    assert [r.get("physical_limit_s") for r in rows[:3]] == [pytest.approx(limit)] * 3
+    assert rows[1]["latency_over_limit"] == pytest.approx(0.200 / limit)
+    assert all("physical_limit_s" not in r for r in rows[3:])     # a varying rate; a local frame
+    (line,) = physical_limit_check(rows, traces)
+    assert line.startswith("ok: m @ const10M: 3 full_offload frames, min latency 150.0 ms >= input transfer 120.4 ms")
+    assert "limit 135.6 ms (input 120.4 + server 10.0 + output 3.2 + RTT 2.0 ms)" in line
+    assert "latency / limit 1.47 (min 1.11)" in line
+    rows[0]["latency_s"] = 0.100                      # faster than its input can travel
+    assert physical_limit_check(rows, traces)[0].startswith("FAIL")

@@ -3,6 +3,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,3 +140,80 @@ def test_latest_frame_counts_drops():
     threading.Timer(0.05, slot.put, args=(4,)).start()
     got.append(slot.get(1.0))
     assert got[0][0] == 4
+
+
+def _frame(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def test_a_server_without_the_frame_entry_gets_the_tensor_not_every_frame_local():
+    """A server of an earlier release has no forward_image: it answers UNKNOWN_ENTRY, the
+    frame goes up again as the preprocessed tensor within the same frame, and later frames
+    send the tensor at once, to that server; a server reached anew is asked again."""
+    old = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))
+    del old.executors["forward_image"]
+    c = _client(old, timeout_s=30.0)
+    transport = c.link.transport
+    frame = _frame((32, 32, 3))
+    tensor_bytes = 3 * 32 * 32 * 4
+    try:
+        assert c.connect(), c.link.last_error
+        y, stats = c.process(frame)
+        assert stats.executed_mode == "full_offload" and not stats.fallback_reason
+        assert stats.plan == "input=tensor raw/none" and stats.round_trips == 2
+        assert stats.bytes_up == frame.nbytes + tensor_bytes
+        assert "UNKNOWN_ENTRY" in stats.extra["full_offload"]["tensor_because"]
+        with torch.inference_mode():
+            assert_same_as_local(y, c.model(c.preprocess(frame)), rtol=0, atol=0)
+        _, stats = c.process(frame)
+        assert stats.executed_mode == "full_offload" and stats.round_trips == 1
+        assert stats.bytes_up == tensor_bytes and "no forward_image" in stats.extra["full_offload"]["tensor_because"]
+        assert c.fallbacks == 0 and c.link.available
+        # the server is replaced by one with the entry and the link connects anew
+        transport.server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE))
+        c.link.mark_down("replaced")
+        deadline = time.monotonic() + 30
+        while not c.link.available and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _, stats = c.process(frame)
+        assert stats.plan == "input=frame uint8/none" and stats.bytes_up == frame.nbytes, stats
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("shape", [(32, 32, 3), (80, 80, 3)])
+def test_a_fallback_preprocesses_the_frame_once(shared_server, monkeypatch, shape):
+    """The server misses the deadline: the frame runs locally, preprocessed on the robot
+    once, whether full_offload sent it as it is (32 x 32) or preprocessed it first (80 x 80
+    is more than four times the input's pixels)."""
+    from robot_offload.models import registry
+    calls = []
+    real = registry.preprocess_image
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(registry, "preprocess_image", counting)
+    c = _client(SlowServer(shared_server, 3.0), timeout_s=0.3, retry_interval_s=1.0)
+    frame = _frame(shape)
+    try:
+        assert c.connect()
+        y, stats = c.process(frame)
+        assert stats.executed_mode == "local" and "OffloadTimeout" in stats.fallback_reason
+        assert len(calls) == 1
+        with torch.inference_mode():
+            assert_same_as_local(y, c.model(real(frame, (32, 32), c.spec.mean, c.spec.std)), rtol=0, atol=0)
+    finally:
+        c.close()
+
+
+def test_a_frame_that_is_no_image_is_refused(shared_server):
+    c = _client(shared_server)
+    try:
+        assert c.connect()
+        for bad in (np.zeros((32, 32, 3), np.float32), np.zeros((32, 32, 2), np.uint8), np.zeros((0, 4, 3), np.uint8)):
+            with pytest.raises(ConfigError, match="image"):
+                c.process(bad)
+    finally:
+        c.close()

@@ -77,3 +77,43 @@ def test_crafted_shapes_are_refused_by_the_server_not_internal(shared_server, sh
     enc = EncodedTensor(name="x", dtype="float32", shape=shape, raw_size=0, data=b"")
     r = shared_server.handle("compute", ComputeRequest("t", "resnet18", "forward", [enc]))
     assert r.status == status and fragment in r.status_text, (r.status, r.status_text)
+
+
+_FRAME_SHAPE = st.one_of(_SHAPE, st.lists(st.integers(0, 24), min_size=1, max_size=4),
+                         st.tuples(st.integers(0, 24), st.integers(0, 24), st.sampled_from([1, 2, 3, 4, 5])).map(list))
+_INPUT_SIZE = st.one_of(st.lists(st.one_of(st.integers(-2, 20), st.sampled_from([4096, 4097, 2 ** 31, 2 ** 64]),
+                                           st.booleans(), st.floats(0, 20), st.none()), max_size=3),
+                        st.sampled_from([None, "8,8", {"h": 8}, 8]))
+
+
+@given(shape=_FRAME_SHAPE, dtype=st.sampled_from(["uint8", "uint8", "float32", "int64"]),
+       compression=st.sampled_from(["none", "zstd"]), input_size=_INPUT_SIZE,
+       extra_args=st.booleans())
+@example(shape=[2 ** 31 - 1, 2 ** 31 - 1, 3], dtype="uint8", compression="none", input_size=[8, 8], extra_args=False)
+@example(shape=[4096, 4096, 4], dtype="uint8", compression="zstd", input_size=[8, 8], extra_args=False)
+@example(shape=[5, 7], dtype="uint8", compression="none", input_size=[8, 8], extra_args=False)
+@settings(max_examples=300, deadline=None, database=None)
+def test_crafted_frames_are_run_or_refused_as_the_requests_fault(shared_server, shape, dtype, compression,
+                                                                  input_size, extra_args):
+    """forward_image (the camera frame of full_offload) under crafted headers and
+    arguments: a frame is run, or refused BAD_REQUEST / TOO_LARGE with a text, never
+    INTERNAL, and never decoded before its shape and the input size are within bounds."""
+    import json
+    assert shared_server.handle("load_model", LoadModelRequest("t", "resnet18")).status == StatusCode.OK
+    size = _consistent_raw_size(shape, dtype, "raw")
+    data = b"\x07" * size if 0 < size <= 4096 else b""
+    if compression == "zstd":
+        data = codec._zstd().ZstdCompressor().compress(b"\x07" * size) if 0 < size <= 1 << 16 else data
+    enc = EncodedTensor(name="frame", dtype=dtype, shape=shape, codec="raw", compression=compression,
+                        raw_size=size, data=data)
+    args = {"input_size": input_size}
+    if extra_args:
+        args["mean"] = [0, 0, 0]
+    r = shared_server.handle("compute", ComputeRequest("t", "resnet18", "forward_image", [enc],
+                                                       args_json=json.dumps(args)))
+    assert r.status in (StatusCode.OK, StatusCode.BAD_REQUEST, StatusCode.TOO_LARGE), (r.status, r.status_text)
+    if r.status == StatusCode.OK:
+        assert not extra_args and len(shape) in (2, 3) and dtype == "uint8"
+        assert codec.decode(r.tensors[0]).shape == (1, 1000)
+    else:
+        assert r.status_text and r.tensors == []

@@ -68,8 +68,12 @@ class Valid:
     def __init__(self, server):
         self.server = server
         self.x = torch.randn(SHAPE)
+        self.frame = torch.randint(0, 256, (SHAPE[2], SHAPE[3], 3), dtype=torch.uint8)
+        spec = registry.get_spec(MODEL)
         with torch.inference_mode():
             self.y = server.load(MODEL).module(to_server(self.x)).cpu()
+            x_frame = registry.preprocess_image(self.frame.numpy(), SHAPE[2:], spec.mean, spec.std)
+            self.y_frame = server.load(MODEL).module(to_server(x_frame)).cpu()
         self.count = 0
         self.sent = 0
 
@@ -82,6 +86,11 @@ class Valid:
                                                           [codec.encode(self.x, "input")]))
         assert r.status == StatusCode.OK, r.status_text
         torch.testing.assert_close(codec.decode(r.tensors[0]), self.y)
+        r = self.server.handle("compute", ComputeRequest("fuzz", MODEL, "forward_image",
+                                                          [codec.encode(self.frame, "frame")],
+                                                          args_json=json.dumps({"input_size": list(SHAPE[2:])})))
+        assert r.status == StatusCode.OK, r.status_text
+        torch.testing.assert_close(codec.decode(r.tensors[0]), self.y_frame)
         p = self.server.handle("ping", PingRequest("fuzz", b"ok"))
         assert p.status == StatusCode.OK and p.payload == b"ok"
 
@@ -177,7 +186,11 @@ _ARGS = ["", "{}", " ", '{"cut": "input", "input_shape": [1, 3, 32, 32]}', '{"cu
          '{"phase": "part", "frame": "0123456789ab", "first": ["x"], "last": ["layer1_1_relu_1"], '
          '"split": {"layer1_1_relu_1": 3}, "input_shape": [1, 3, 32, 32]}',
          '{"phase": "finish", "frame": "0123456789ab", "last": ["layer1_1_relu_1"], '
-         '"input_shape": [1, 3, 32, 32]}']
+         '"input_shape": [1, 3, 32, 32]}',
+         # forward_image: valid and out-of-bounds input sizes
+         '{"input_size": [32, 32]}', '{"input_size": [8, 12]}', '{"input_size": [0, 32]}',
+         '{"input_size": [4097, 2]}', '{"input_size": [1000, 1000]}', '{"input_size": [true, 8]}',
+         '{"input_size": [32, 32], "x": 1}']
 
 
 @st.composite
@@ -375,6 +388,10 @@ def wellformed_compute(draw, entry):
     """Valid headers, nonsense content: any response is fine, an exception is not."""
     dtype = draw(st.sampled_from(["float32", "float16", "float64", "int64", "uint8", "bool"]))
     shape = draw(st.lists(st.integers(0, 12), min_size=0, max_size=5))
+    if entry == "forward_image" and draw(st.booleans()):     # frame-like: [H, W] or [H, W, C]
+        dtype = "uint8"
+        shape = draw(st.lists(st.integers(0, 40), min_size=2, max_size=2)) + draw(
+            st.lists(st.integers(1, 5), max_size=1))
     t = torch.zeros(shape, dtype=getattr(torch, dtype))
     if t.is_floating_point():
         t = torch.randn(shape).to(t.dtype)
@@ -397,7 +414,7 @@ def test_fuzz_compute_wellformed_nonsense(fuzz_server, valid, entry):
         if r.status == StatusCode.OK:
             for t in r.tensors:
                 codec.decode(t)
-        elif entry in ("forward", "partition_tail", "lop_part"):
+        elif entry in ("forward", "forward_image", "partition_tail", "lop_part"):
             assert r.status != StatusCode.INTERNAL, r.status_text   # built-ins: a clear error
         valid.tick(every=5)
 

@@ -1,8 +1,10 @@
 """The backend interface and the mode registry."""
 
 import abc
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 
@@ -28,6 +30,37 @@ class BackendContext:
     link: Optional[ServerLink]
     config: "object"
     shared: Dict[str, object] = field(default_factory=dict)
+    # the last frame preprocessed: (frame, its FrameStats, the model input)
+    _last: Optional[tuple] = field(default=None, repr=False, compare=False)
+    _last_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def input_size(self) -> Tuple[int, ...]:
+        """The model input size: the client's ``input_size``, else the registry's."""
+        return tuple(self.config.input_size) or self.spec.input_size
+
+    def preprocess(self, frame, stats: FrameStats) -> torch.Tensor:
+        """The model input for one raw frame, computed on the robot and accounted in
+        ``stats``. Within one frame it is computed once: a backend that preprocessed the
+        frame and then failed leaves it for the local fallback (:meth:`forget` ends the
+        frame)."""
+        with self._last_lock:
+            last = self._last
+        if last is not None and last[0] is frame and last[1] is stats:
+            return last[2]
+        t0 = time.perf_counter()
+        x = self.spec.preprocess(frame, self.input_size)
+        stats.add_compute(t0, time.perf_counter())
+        with self._last_lock:
+            self._last = (frame, stats, x)
+        return x
+
+    def forget(self, frame) -> None:
+        """Drop what :meth:`preprocess` kept of ``frame`` (the frame is done; its buffer
+        may be filled with the next one)."""
+        with self._last_lock:
+            if self._last is not None and self._last[0] is frame:
+                self._last = None
 
 
 class Backend(abc.ABC):
@@ -44,6 +77,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def infer(self, x: torch.Tensor, stats: FrameStats, timeout_s: float):
         """Return the model's outputs for batched input ``x``, filling ``stats``."""
+
+    def infer_frame(self, frame, stats: FrameStats, timeout_s: float):
+        """Return the model's outputs for one raw frame (a uint8 H x W x 3 image, or a
+        point cloud for point-cloud models), filling ``stats``. By default the frame is
+        preprocessed here on the robot (accounted as compute) and run by :meth:`infer`;
+        a backend that can send the frame itself overrides it."""
+        x = self.ctx.preprocess(frame, stats)
+        return self.infer(x, stats, timeout_s)
 
     def close(self) -> None:
         """Release server-side state; called when the client stops using this backend."""

@@ -1,11 +1,38 @@
 """``full_offload``: the input goes up, the whole model runs on the server, the output
-comes down (NNTO / the papers' "ALL" baseline)."""
+comes down (NNTO / the papers' "ALL" baseline).
 
+For image models a frame goes up as the camera gave it (uint8, 1 byte per pixel and
+channel, compressed losslessly as ``compression`` says) to the server's
+``forward_image`` entry, which preprocesses it with the registry's own function
+(:func:`robot_offload.models.registry.preprocess_image_tensor`) and runs the model: a
+quarter of the bytes of the float32 model input at the same size, and no preprocessing on
+the robot. The preprocessed tensor goes up instead (the ``forward`` entry, in ``codec``)
+where it is the smaller of the two (a camera much larger than the model input), for
+point-cloud models, for callers that already hold a tensor (:meth:`infer`), and to a
+server without ``forward_image`` (an older release of the same protocol: it answers
+UNKNOWN_ENTRY, and the client remembers that server). ``stats.plan`` says which
+(``input=frame uint8/zstd``, ``input=tensor raw/none``).
+"""
+
+import json
+import logging
 import time
+
+import numpy as np
+import torch
 
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
-from robot_offload.protocol import ComputeRequest
+from robot_offload.errors import RemoteError
+from robot_offload.models import MAX_FRAME_SIDE, check_frame_shape
+from robot_offload.protocol import ComputeRequest, StatusCode
+
+log = logging.getLogger(__name__)
+
+#: the server entry that preprocesses frames (robot_offload.server.executors.forward_image)
+FRAME_ENTRY = "forward_image"
+#: frames refused as too large by one server are remembered, at most this many shapes
+_MAX_REFUSED_SHAPES = 64
 
 
 @register_backend
@@ -13,16 +40,88 @@ class FullOffloadBackend(Backend):
     name = "full_offload"
     needs_server = True
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        # server_id -> why that server takes no frames (it has no forward_image entry)
+        self._no_frames = {}
+        # (server_id, frame shape) refused as too large by that server
+        self._refused_shapes = set()
+
     def infer(self, x, stats, timeout_s):
         cfg = self.ctx.config
-        link = self.ctx.link
         t0 = time.perf_counter()
-        request = ComputeRequest(
-            client_id=link.client_id, model=link.model, entry="forward",
-            tensors=[codec.encode(x, "input", cfg.codec, cfg.compression)],
-            output_codec=cfg.output_codec, output_compression=cfg.compression)
+        enc = codec.encode(x, "input", cfg.codec, cfg.compression)
         t1 = time.perf_counter()
-        response = link.compute(request, timeout_s - (t1 - t0))
+        stats.plan = f"input=tensor {enc.codec}/{enc.compression}"
+        return self._call("forward", enc, "{}", stats, t0, t1, timeout_s)
+
+    def infer_frame(self, frame, stats, timeout_s):
+        if self.ctx.spec.input_kind != "image":
+            return super().infer_frame(frame, stats, timeout_s)
+        why = self.frame_refusal(frame)
+        if why:
+            return self._tensor_instead(frame, stats, timeout_s, why)
+        cfg = self.ctx.config
+        t0 = time.perf_counter()
+        # a read-only frame (a ROS message's buffer) is copied rather than shared with torch
+        data = frame if frame.flags.c_contiguous and frame.flags.writeable else np.array(frame, order="C")
+        enc = codec.encode(torch.from_numpy(data), "frame", "raw", cfg.compression)
+        args = json.dumps({"input_size": [int(s) for s in self.ctx.input_size]})
+        t1 = time.perf_counter()
+        try:
+            outputs = self._call(FRAME_ENTRY, enc, args, stats, t0, t1, timeout_s)
+        except RemoteError as e:
+            if e.code == StatusCode.UNKNOWN_ENTRY:
+                self._no_frames[self.ctx.link.server_id] = e.text
+                log.warning("the offload server has no %s entry (an older release): full_offload "
+                            "sends it the preprocessed tensor instead of the camera image", FRAME_ENTRY)
+            elif e.code == StatusCode.TOO_LARGE:
+                if len(self._refused_shapes) >= _MAX_REFUSED_SHAPES:
+                    self._refused_shapes.clear()
+                self._refused_shapes.add((self.ctx.link.server_id, tuple(frame.shape)))
+            else:
+                raise
+            # the refused upload was a round trip of this frame, and so is its deadline
+            t2 = time.perf_counter()
+            stats.add_compute(t0, t1)
+            stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
+            return self._tensor_instead(frame, stats, timeout_s - (t2 - t1),
+                                        f"the server refused the frame: {e}")
+        stats.plan = f"input=frame uint8/{enc.compression}"
+        return outputs
+
+    def frame_refusal(self, frame) -> str:
+        """Why ``frame`` goes up as the preprocessed tensor rather than as it is ("" when
+        it goes as it is). Raises ConfigError for an array that is no image."""
+        if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8:
+            return "not a uint8 image"          # preprocessing refuses it, saying why
+        check_frame_shape(frame.shape)
+        server = self.ctx.link.server_id
+        if server in self._no_frames:
+            return f"the server has no {FRAME_ENTRY} entry"
+        if (server, tuple(frame.shape)) in self._refused_shapes:
+            return "the server refused frames of this size as too large"
+        if max(frame.shape[:2]) > MAX_FRAME_SIDE:
+            return f"a frame side above {MAX_FRAME_SIDE} px"
+        cfg = self.ctx.config
+        if codec.payload_size([1, 3, *self.ctx.input_size], "float32", cfg.codec) < frame.nbytes:
+            return f"the {cfg.codec} model input is smaller than the frame"
+        return ""
+
+    def _tensor_instead(self, frame, stats, timeout_s, why):
+        x = self.ctx.preprocess(frame, stats)
+        outputs = self.infer(x, stats, timeout_s)
+        stats.extra["full_offload"] = {"tensor_because": why}
+        return outputs
+
+    def _call(self, entry, enc, args_json, stats, t0, t1, timeout_s):
+        """One compute call of ``entry`` on ``enc`` (encoded from t0 to t1), accounted."""
+        cfg = self.ctx.config
+        link = self.ctx.link
+        request = ComputeRequest(
+            client_id=link.client_id, model=link.model, entry=entry, tensors=[enc],
+            args_json=args_json, output_codec=cfg.output_codec, output_compression=cfg.compression)
+        response = link.compute(request, timeout_s - (time.perf_counter() - t0))
         t2 = time.perf_counter()
         outputs = structure.unflatten([codec.decode(t) for t in response.tensors],
                                       response.structure_json)
@@ -31,5 +130,4 @@ class FullOffloadBackend(Backend):
         stats.add_compute(t2, t3)
         stats.add_call(t1, t2, response.server_total_s or response.server_compute_s,
                        request.payload_bytes, response.payload_bytes)
-        stats.plan = f"codec={cfg.codec}/{cfg.compression}"
         return outputs

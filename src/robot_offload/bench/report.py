@@ -27,23 +27,64 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
             w.writerow(r)
 
 
+def physical_limit_s(row: dict, rate_bps: float) -> float:
+    """The least latency a ``full_offload`` frame can have at ``rate_bps`` (both ways):
+    its input up and its output down at that rate, the server's compute as the server
+    reported it, and one request's round trip (``request_rtt_ms``, an empty Ping over the
+    client's connection; 0 where it was not measured)."""
+    rtt_ms = float(row.get("request_rtt_ms", float("nan")))
+    rtt_s = rtt_ms / 1e3 if np.isfinite(rtt_ms) else 0.0
+    return ((row["bytes_up"] + row.get("bytes_down", 0)) * 8 / rate_bps
+            + row.get("server_compute_s", 0.0) + rtt_s)
+
+
+def constant_rate(trace) -> float:
+    """The trace's rate (bit/s) where it is constant, else nan."""
+    if trace is None or np.ptp(trace.rates_bps) > 0:
+        return float("nan")
+    return float(trace.rates_bps[0])
+
+
+def add_physical_limits(rows: Sequence[dict], traces: Dict[str, object]) -> None:
+    """``physical_limit_s`` and ``latency_over_limit`` on every ``full_offload`` frame of a
+    constant-rate trace (the rate a frame met on a varying trace is not recorded)."""
+    for r in rows:
+        rate = constant_rate(traces.get(r.get("trace")))
+        if r.get("executed_mode") == "full_offload" and np.isfinite(rate) and not r.get("lost"):
+            r["physical_limit_s"] = physical_limit_s(r, rate)
+            r["latency_over_limit"] = r["latency_s"] / r["physical_limit_s"]
+
+
 def physical_limit_check(rows: Sequence[dict], traces: Dict[str, object]) -> List[str]:
     """Full offload cannot beat the input's transfer time at the set rate: for every
     full_offload frame on a constant-rate trace, latency >= bytes_up * 8 / rate. Returns
-    one line per (model, trace) and a FAIL line per violating frame."""
+    one line per (model, trace), with the median physical limit (:func:`physical_limit_s`)
+    and latency / limit, and a FAIL line per violating frame."""
     lines = []
     for (model, trace), rs in _group(rows, ("model", "trace")).items():
-        tr = traces.get(trace)
-        if tr is None or np.ptp(tr.rates_bps) > 0:
+        rate = constant_rate(traces.get(trace))
+        if not np.isfinite(rate):
             continue
-        rate = float(tr.rates_bps[0])
         offl = [r for r in rs if r.get("executed_mode") == "full_offload"]
         bad = [r for r in offl if r["latency_s"] < r["bytes_up"] * 8 / rate]
         floor_ms = 1e3 * min((r["bytes_up"] * 8 / rate for r in offl), default=float("nan"))
         min_ms = 1e3 * min((r["latency_s"] for r in offl), default=float("nan"))
-        lines.append(f"{'FAIL' if bad else 'ok'}: {model} @ {trace}: {len(offl)} full_offload frames, "
-                     f"min latency {min_ms:.1f} ms >= input transfer {floor_ms:.1f} ms at {rate / 1e6:g} Mbit/s"
-                     + (f" -- {len(bad)} frames below the physical limit" if bad else ""))
+        line = (f"{'FAIL' if bad else 'ok'}: {model} @ {trace}: {len(offl)} full_offload frames, "
+                f"min latency {min_ms:.1f} ms >= input transfer {floor_ms:.1f} ms at {rate / 1e6:g} Mbit/s"
+                + (f" -- {len(bad)} frames below the physical limit" if bad else ""))
+        if offl:
+            def med(values):
+                return 1e3 * float(np.median(values))
+            limits = [physical_limit_s(r, rate) for r in offl]
+            ratios = [r["latency_s"] / lim for r, lim in zip(offl, limits)]
+            rtt = [float(r.get("request_rtt_ms", float("nan"))) for r in offl]
+            line += (f"; limit {med(limits):.1f} ms (input {med([r['bytes_up'] * 8 / rate for r in offl]):.1f}"
+                     f" + server {med([r.get('server_compute_s', 0.0) for r in offl]):.1f}"
+                     f" + output {med([r.get('bytes_down', 0) * 8 / rate for r in offl]):.1f}"
+                     f" + RTT {float(np.median(rtt)):.1f} ms"
+                     + ("" if np.isfinite(np.median(rtt)) else ", not measured: 0")
+                     + f"), latency / limit {float(np.median(ratios)):.2f} (min {min(ratios):.2f})")
+        lines.append(line)
     return lines
 
 
@@ -324,6 +365,7 @@ def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[
 def write_report(rows, runner, traces, out_dir, command: str) -> str:
     frames = [r for r in frame_rows(rows) if not r.get("lost")]
     lost = [r for r in frame_rows(rows) if r.get("lost")]
+    add_physical_limits(frames, {t.name: t for t in traces})
     write_csv(frame_rows(rows), os.path.join(out_dir, "frames.csv"))
     summary = summarise(frames, KEYS)
     write_csv(summary, os.path.join(out_dir, "summary.csv"))
@@ -345,7 +387,12 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                + ", ".join(f"{t} {float(np.median(v)):.2f} ms" for t, v in rtts.items())]
     md += [f"- lost frames (no stats within the driver's timeout): {len(lost)}", "",
            "## Results (medians unless p95; fps = frames / span, closed loop)\n",
-           markdown_table(summary), "", "## Physical-limit check\n"] + [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
+           markdown_table(summary), "", "## Physical-limit check\n",
+           "The limit of a full_offload frame: its input bytes and its output bytes at the "
+           "trace's rate, the server's compute and one request round trip; latency / limit "
+           "is how far the frame is from it (constant-rate traces only: a varying trace's "
+           "rate during a frame is not recorded).\n"]
+    md += [f"- {c}" for c in check or ["(no constant-rate full_offload runs)"]]
     md += ["", "## Modes side by side (median latency)\n", comparison_table(frames), "",
            "## Same work in every mode (the run's noise floor)\n",
            "Median latency of the frames that computed the whole model on the robot, per mode "

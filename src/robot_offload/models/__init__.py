@@ -1,4 +1,5 @@
 """Model registry (see :mod:`robot_offload.models.registry`)."""
 
 from robot_offload.models.registry import (  # noqa: F401
-    ModelSpec, get_spec, names, register, weights_hash, preprocess_image)
+    MAX_FRAME_SIDE, ModelSpec, check_frame_shape, get_spec, names, register, weights_hash,
+    preprocess_image, preprocess_image_tensor)

@@ -78,21 +78,48 @@ class ModelSpec:
         return self.preprocess(synthetic_scene(seed), size)
 
 
+#: Largest height or width of a camera frame the server preprocesses, and of a model input
+#: size it resizes to (px); a full_offload client sends larger frames preprocessed.
+MAX_FRAME_SIDE = 4096
+
+
 def preprocess_image(image: np.ndarray, size: Sequence[int], mean: Sequence[float],
                      std: Sequence[float]) -> torch.Tensor:
     """uint8 H x W x 3 (RGB) -> float32 1 x 3 x size[0] x size[1], scaled to 0..1,
-    bilinearly resized and normalised. Grey images are repeated to three channels."""
+    bilinearly resized and normalised. Grey images are repeated to three channels, a
+    fourth channel is dropped (:func:`preprocess_image_tensor`, which the server runs on
+    frames it receives: one function on both sides)."""
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
         raise ConfigError("an image must be a uint8 numpy array")
-    if image.ndim == 2:
-        image = np.repeat(image[:, :, None], 3, axis=2)
-    if image.ndim != 3 or image.shape[2] not in (3, 4) or 0 in image.shape:
-        raise ConfigError(f"an image must be H x W x 3, got {image.shape}")
-    x = torch.from_numpy(np.ascontiguousarray(image[:, :, :3])).permute(2, 0, 1)[None].float() / 255.0
+    check_frame_shape(image.shape)
+    return preprocess_image_tensor(torch.from_numpy(np.ascontiguousarray(image)), size, mean, std)
+
+
+def check_frame_shape(shape: Sequence[int]) -> None:
+    """Raise ConfigError unless ``shape`` is an image's: H x W (grey), H x W x 3 or
+    H x W x 4, none of them 0."""
+    shape = tuple(shape)
+    if len(shape) not in (2, 3) or (len(shape) == 3 and shape[2] not in (3, 4)) or 0 in shape:
+        raise ConfigError(f"an image must be H x W x 3 (or H x W grey, H x W x 4), got {shape}")
+
+
+def preprocess_image_tensor(image: torch.Tensor, size: Sequence[int], mean: Sequence[float],
+                            std: Sequence[float]) -> torch.Tensor:
+    """:func:`preprocess_image` of a uint8 tensor (H x W, H x W x 3 or H x W x 4), on the
+    tensor's device; torch only. The robot's preprocessing and the server's
+    ``forward_image`` entry both end here, so a frame preprocessed on either side gives
+    the same model input (bit for bit on the same device)."""
+    if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8:
+        raise ConfigError("an image must be a uint8 tensor")
+    check_frame_shape(image.shape)
+    if image.dim() == 2:
+        image = image.unsqueeze(2).expand(-1, -1, 3)
+    image = image[:, :, :3].contiguous()
+    x = image.permute(2, 0, 1)[None].float() / 255.0
     if tuple(x.shape[2:]) != tuple(size):
         x = nn.functional.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
-    m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
     return ((x - m) / s).contiguous()
 
 

@@ -5,12 +5,13 @@ from typing import Dict
 
 from robot_offload.server.base import Executor
 from robot_offload.server.executors.forward import ForwardExecutor
+from robot_offload.server.executors.forward_image import ForwardImageExecutor
 from robot_offload.server.executors.lop import LopExecutor
 from robot_offload.server.executors.ops import OpsExecutor
 from robot_offload.server.executors.partition import PartitionTailExecutor
 from robot_offload.server.sandbox import SandboxedOps
 
-CLASSES = (ForwardExecutor, PartitionTailExecutor, LopExecutor, OpsExecutor)
+CLASSES = (ForwardExecutor, ForwardImageExecutor, PartitionTailExecutor, LopExecutor, OpsExecutor)
 
 
 def build(server) -> Dict[str, Executor]:
