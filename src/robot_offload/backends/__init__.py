@@ -5,4 +5,4 @@ with the list of known ones."""
 
 from robot_offload.backends.base import (  # noqa: F401
     Backend, BackendContext, make_backend, modes, register_backend)
-from robot_offload.backends import local, full_offload, layer_partition, lop, transparent  # noqa: F401,E402
+from robot_offload.backends import local, full_offload, layer_partition, lop, transparent, auto  # noqa: F401,E402

@@ -1,0 +1,163 @@
+"""``auto``: what it returns is what the candidate it ran returns -- local's outputs, for
+every registry model, whichever candidate the predicted bandwidth makes it pick -- and a
+switch to it, or a server lost under it, loses no frame."""
+
+import numpy as np
+import pytest
+import torch
+
+from robot_offload import structure
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.models import get_spec, names
+from robot_offload.transport.inproc import InProcessTransport
+
+from devices import ON_CPU, assert_same_as_local
+
+#: predicted bandwidths the frames are run at: a dead link, 5 and 100 Mbit/s, a free one
+BANDWIDTHS = (1e3, 5e6, 100e6, 1e12)
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("profiles"))
+
+
+def _client(server, model, profile_dir, transport=None, **kw):
+    spec = get_spec(model)
+    cfg = dict(model=model, mode="auto", input_size=spec.test_input_size, load_timeout_s=120,
+               timeout_s=120, profile_dir=profile_dir, partition_codecs=("raw",))
+    cfg.update(kw)
+    client = OffloadClient(ClientConfig(**cfg), transport or InProcessTransport(server))
+    assert client.connect(), client.link.last_error
+    lop = client._get_backend("auto").lop
+    lop.calibration_inputs, lop.profile_repeats = 1, 1
+    return client
+
+
+def _frame(spec, size, seed):
+    rng = np.random.default_rng(seed)
+    if spec.input_kind == "image":
+        return rng.integers(0, 256, (size[0], size[1], 3), dtype=np.uint8)
+    from robot_offload.models.agrnav import synthetic_scene
+    return synthetic_scene(seed)
+
+
+def _assert_same_outputs(y, ref, what):
+    """Lossless candidates equal local up to summation order (a spatial schedule's
+    stripes): each floating output within 1e-5 of its own largest magnitude."""
+    if not ON_CPU:
+        assert_same_as_local(y, ref, msg=what)
+        return
+    ly, sy = structure.flatten(y)
+    lr, sr = structure.flatten(ref)
+    assert sy == sr, what
+    for a, b in zip(ly, lr):
+        if b.is_floating_point():
+            scale = max(1.0, float(b.abs().max()))
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+        else:
+            assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("model", names())
+def test_auto_returns_what_local_returns(shared_server, profile_dir, model):
+    client = _client(shared_server, model, profile_dir)
+    try:
+        ran = set()
+        for k, bw in enumerate(BANDWIDTHS * 2):
+            frame = _frame(client.spec, client.input_size, seed=k)
+            client.predicted_bandwidth_bps = bw
+            y, stats = client.process(frame)
+            assert stats.executed_mode == "auto", stats.fallback_reason
+            choice = stats.extra["auto"]
+            assert stats.plan.startswith(f"auto:{choice['candidate']}") and choice["reason"]
+            ran.add(choice["candidate"])
+            with torch.inference_mode():
+                ref = client.model(client.preprocess(frame))
+            _assert_same_outputs(y, ref, f"{model} at {bw:g} bit/s: {stats.plan}")
+        assert ran <= {"lop", "full_offload_image"}
+    finally:
+        client.close()
+
+
+def test_a_dead_link_never_probes_the_image(shared_server, profile_dir):
+    client = _client(shared_server, "resnet18", profile_dir)
+    try:
+        client.predicted_bandwidth_bps = 1e3     # 1 kbit/s: any upload takes minutes
+        frame = _frame(client.spec, client.input_size, seed=1)
+        for _ in range(8):
+            _, stats = client.process(frame)
+            assert stats.executed_mode == "auto"
+            assert stats.extra["auto"]["candidate"] == "lop", stats.plan   # never a probe of the image
+        predicted = stats.extra["auto"]["predicted"]
+        assert predicted["full_offload_image"]["latency_ms"] > 5 * predicted["lop"]["latency_ms"]
+    finally:
+        client.close()
+
+
+def test_the_energy_objective_runs_the_lowest_predicted_energy(shared_server, profile_dir):
+    """Every frame runs the candidate of lowest predicted energy. At 20 Mbit/s, with the
+    server predicted 100x the robot (nothing measured yet), that is the camera image (a
+    quarter of the float input's bytes; the robot idles while the server computes): its
+    outputs are local's, bit for bit on one device (one preprocessing function on both
+    sides), and what it measured becomes the profile's server time for the next frames."""
+    client = _client(shared_server, "resnet18", profile_dir, objective="energy", server_speedup=100.0)
+    try:
+        runs = []
+        for k, bw in enumerate((20e6, 20e6) + BANDWIDTHS + (20e6,)):
+            frame = _frame(client.spec, client.input_size, seed=k)
+            client.predicted_bandwidth_bps = bw
+            y, stats = client.process(frame)
+            a = stats.extra["auto"]
+            if k == 0:
+                assert "predicted" not in a     # the first frame: lop measures the profile
+                continue
+            energy = {c: v["energy_mj"] for c, v in a["predicted"].items()}
+            assert energy[a["candidate"]] <= min(energy.values()) + 0.01, a     # (rounded to 0.01 mJ)
+            assert a["reason"] == "lowest predicted energy"
+            runs.append(a["candidate"])
+            if a["candidate"] == "full_offload_image":
+                assert stats.plan.startswith("auto:full_offload_image input=frame uint8")
+                assert stats.bytes_up == frame.nbytes and stats.round_trips == 1
+                with torch.inference_mode():
+                    ref = client.model(client.preprocess(frame))
+                if ON_CPU:
+                    assert all(torch.equal(a_, b_) for a_, b_ in zip(structure.flatten(y)[0],
+                                                                      structure.flatten(ref)[0]))
+                else:
+                    assert_same_as_local(y, ref)
+        assert runs[0] == "full_offload_image", runs
+        assert runs[1] == "lop", runs     # 1 kbit/s
+    finally:
+        client.close()
+
+
+def test_switching_to_auto_and_losing_the_server_lose_no_frame(profile_dir):
+    from robot_offload.server import OffloadServer, ServerConfig
+    from devices import SERVER_DEVICE
+    transport = InProcessTransport(OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE)))
+    client = _client(None, "resnet18", profile_dir, transport=transport, mode="full_offload",
+                     timeout_s=5.0, retry_interval_s=0.1)
+    try:
+        frame = _frame(client.spec, client.input_size, seed=3)
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        modes = []
+        for k in range(12):
+            if k == 3:
+                client.set_mode("auto")
+            if k == 7:
+                transport.server = None         # the server goes away mid-run
+            client.predicted_bandwidth_bps = 100e6
+            y, stats = client.process(frame)
+            modes.append(stats.executed_mode)
+            _assert_same_outputs(y, ref, f"frame {k}: {stats.plan}")
+            if k >= 7:
+                # computed on the robot: a fallback that says why, or auto's all-local plan
+                assert stats.mode == "auto"
+                assert ((stats.executed_mode == "local" and stats.fallback_reason)
+                        or (stats.executed_mode == "auto" and stats.round_trips == 0)), stats
+        assert modes[:3] == ["full_offload"] * 3 and modes[3:7] == ["auto"] * 4, modes
+        assert client.fallbacks == modes.count("local")
+    finally:
+        client.close()
