@@ -97,13 +97,12 @@ def client(host, port, *, rate_hz=20.0, sizes=(150_000, 600_000), reply_bytes=2_
             t0 = time.monotonic()
             request(0, 1)
             rtts.append(time.monotonic() - t0)
+        frames = max(1, int(round(duration_s * rate_hz)))
         start = time.monotonic()
         k = 0
-        while True:
+        while k < frames:
             due = start + k * period
             now = time.monotonic()
-            if due - start >= duration_s:
-                break
             if due > now:
                 time.sleep(due - now)
             size = rng.choice(sizes)
