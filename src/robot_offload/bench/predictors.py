@@ -224,10 +224,13 @@ def main(argv=None):
 
     command = "python -m robot_offload.bench.predictors " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    recorded_by = saved.get("command") if saved is not None else None
     md = ["# Bandwidth predictors", "",
-          f"`{command}`", "",
+          f"`{command}`" + (f" (transfers recorded by `{recorded_by}`)" if recorded_by else ""),
+          "",
           f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs"
           + (f"; testbed: {testbed}" if testbed else ""), "",
+          "Traces:", ""] + [f"- {t.name}: {t.source}" for t in traces] + ["",
           "MAE Mbit/s / MAPE % of the prediction made at each instant against the mean rate "
           "over the next 100 ms and 300 ms; bold: lowest MAE in the column for that trace. "
           "Offline: the trace's own 0.1 s samples. Online: real transfers (150 KB and "
@@ -236,7 +239,10 @@ def main(argv=None):
           table(traces, offline, online, specs, horizons), ""]
     if bias:
         md += ["Online samples, measured / set rate (median, p10-p90) and samples used / "
-               "ignored (shorter than 5 ms on the link, or too small):", ""]
+               "ignored (shorter than 5 ms on the link, or too small). A transfer that starts "
+               "after an idle moment goes through the shaper's bucket (20 ms at the rate) "
+               "at line rate and reads about 1 + 0.02 s / (its time on the link) times the "
+               "rate, and every predictor's online error carries that bias:", ""]
         md += [f"- {n}: {b['median']:.2f} ({b['p10']:.2f}-{b['p90']:.2f}); "
                f"{b['used']} / {b['ignored']}" for n, b in bias.items()]
         md.append("")
@@ -250,7 +256,7 @@ def main(argv=None):
             f.write(text)
         if logs and saved is None:
             with open(os.path.join(args.out, "transfers.json"), "w", encoding="utf-8") as f:
-                json.dump({"duration_s": args.duration_s, "testbed": testbed,
+                json.dump({"duration_s": args.duration_s, "testbed": testbed, "command": command,
                            "workload": WORKLOAD, "logs": {
                                n: {"rtt_s": [round(x, 7) for x in lg["rtt_s"]],
                                    "late_steps": lg.get("late_steps", 0),
