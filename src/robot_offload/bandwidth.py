@@ -268,7 +268,10 @@ class KalmanLevel(Predictor):
         if not (0 < q < math.inf and 0 <= burst_s < math.inf and 0 < k < math.inf):
             raise ValueError(f"need q > 0, burst_s >= 0, k > 0 (finite), got {q}, {burst_s}, {k}")
         self.q, self.burst_s, self.k = float(q), float(burst_s), float(k)
-        self.name = "kalman" if (q, burst_s, k) == (0.1, BURST_S, 3.0) else f"kalman({q:g})"
+        if (self.burst_s, self.k) != (BURST_S, 3.0):   # not expressible by make_predictor
+            self.name = f"kalman(q={q:g}, burst_s={burst_s:g}, k={k:g})"
+        else:
+            self.name = "kalman" if self.q == 0.1 else f"kalman({q:g})"
         self.reset()
 
     def reset(self):

@@ -129,6 +129,7 @@ def test_invalid_samples_and_parameters():
     p.update(0.0, 5 * MBIT, 0.0)   # no duration to trust: only the first sets the level
     p.update(0.1, 500 * MBIT, 0.0)
     assert p.predict() == pytest.approx(5 * MBIT)
+    assert bw.KalmanLevel(burst_s=0.005).name == "kalman(q=0.1, burst_s=0.005, k=3)"
     for bad in ({"q": 0}, {"q": float("inf")}, {"burst_s": -1}, {"k": 0}):
         with pytest.raises(ValueError):
             bw.KalmanLevel(**bad)
