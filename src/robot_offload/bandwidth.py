@@ -6,13 +6,16 @@ Pure (no rospy, no sockets). Rates are bit/s of goodput.
   (bytes, how long it took) becomes a measured rate; transfers too small or too short to
   show the link's rate are ignored and one round trip is taken off the duration when an
   RTT estimate is known.
-- Predictors share one interface (``update(t_s, measured_bps)``, ``predict()``,
-  ``reset()``, ``name``): :class:`LastValue`, :class:`Ewma`, :class:`HarmonicMean` (the
-  FESTIVE / MPC video-streaming estimator), :class:`MedianOfN`, :class:`LogEwma`,
-  :class:`Ar1`; :func:`make_predictor` builds one from its name ("ewma(0.3)").
+- Predictors share one interface (``update(t_s, measured_bps, duration_s=None)``,
+  ``predict()``, ``reset()``, ``name``): :class:`KalmanLevel` (the default: weighs each
+  sample by how long its transfer lasted, follows steps at once), :class:`LastValue`,
+  :class:`Ewma`, :class:`HarmonicMean` (the FESTIVE / MPC video-streaming estimator),
+  :class:`MedianOfN`, :class:`LogEwma`, :class:`Ar1`; :func:`make_predictor` builds one
+  from its name ("ewma(0.3)").
 - :func:`evaluate_predictors` replays a trace and scores each predictor's forecast
   ``horizon_s`` ahead (MAE, RMSE, MAPE, bias); :func:`best_predictor` picks the lowest
-  mean score over several traces.
+  mean score over several traces. ``python -m robot_offload.bench.predictors`` scores
+  them on traces and on real transfers through the shaped testbed.
 """
 
 import abc
@@ -34,6 +37,11 @@ MIN_TRANSFER_BYTES = 16 * 1024
 #: holds 20 ms of the rate: 250 KB at 100 Mbit/s), and a radio aggregates frames: such
 #: transfers read 1.2-6x the link's rate, which moved plans between bandwidth buckets.
 MIN_TRANSFER_S = 0.005
+#: What a link may pass at line rate after an idle moment, as time at its rate (s): a
+#: token-bucket shaper's bucket (the testbed's htb holds 20 ms), a radio's aggregate. A
+#: transfer that lasted d s on the link then reads up to (1 + BURST_S / d) times the rate:
+#: 600 KB at 50 Mbit/s lasts 75 ms instead of 96 and reads 64 Mbit/s.
+BURST_S = 0.02
 #: Rates are floored at this before 1/x or log(x) (bit/s).
 RATE_FLOOR_BPS = 1e3
 #: MAPE ignores instants whose actual rate is below this (bit/s): a relative error against
@@ -69,8 +77,10 @@ class Predictor(abc.ABC):
     name = "predictor"
 
     @abc.abstractmethod
-    def update(self, t_s, measured_bps):
-        """Feed one measured rate (bit/s) observed at time t_s."""
+    def update(self, t_s, measured_bps, duration_s=None):
+        """Feed one measured rate (bit/s) observed at time t_s, from a transfer that was
+        ``duration_s`` on the link (None: a rate measured over a saturated interval, as
+        a trace's samples are). Only :class:`KalmanLevel` uses the duration."""
 
     @abc.abstractmethod
     def predict(self):
@@ -92,7 +102,7 @@ class LastValue(Predictor):
     def __init__(self):
         self._last = None
 
-    def update(self, t_s, measured_bps):
+    def update(self, t_s, measured_bps, duration_s=None):
         self._last = float(measured_bps)
 
     def predict(self):
@@ -112,7 +122,7 @@ class Ewma(Predictor):
         self.name = f"ewma({alpha:g})"
         self._value = None
 
-    def update(self, t_s, measured_bps):
+    def update(self, t_s, measured_bps, duration_s=None):
         x = float(measured_bps)
         self._value = x if self._value is None else self._value + self.alpha * (x - self._value)
 
@@ -134,7 +144,7 @@ class LogEwma(Predictor):
         self.name = f"log-ewma({alpha:g})"
         self._log = None
 
-    def update(self, t_s, measured_bps):
+    def update(self, t_s, measured_bps, duration_s=None):
         x = math.log(max(float(measured_bps), RATE_FLOOR_BPS))
         self._log = x if self._log is None else self._log + self.alpha * (x - self._log)
 
@@ -152,7 +162,7 @@ class _Window(Predictor):
         self.n = int(n)
         self._window = collections.deque(maxlen=self.n)
 
-    def update(self, t_s, measured_bps):
+    def update(self, t_s, measured_bps, duration_s=None):
         self._window.append(max(float(measured_bps), 0.0))
 
     def reset(self):
@@ -198,7 +208,7 @@ class Ar1(Predictor):
         self.name = f"ar1({self.n})"
         self._window = collections.deque(maxlen=self.n)
 
-    def update(self, t_s, measured_bps):
+    def update(self, t_s, measured_bps, duration_s=None):
         self._window.append(max(float(measured_bps), 0.0))
 
     def predict(self):
@@ -220,9 +230,100 @@ class Ar1(Predictor):
         self._window.clear()
 
 
+class KalmanLevel(Predictor):
+    """A Kalman filter of log(rate) as a level that drifts, fed samples whose noise grows
+    as their transfers get shorter, and that restarts from a sample far outside what it
+    expected.
+
+    - Level: log(rate) drifts as a random walk of variance ``q`` per second between
+      samples (``q`` 0.1: about 10 % in 100 ms, 30 % in a second).
+    - A sample from a transfer that lasted ``d`` s on the link is off by up to
+      ``burst_s / d`` in log (a burst passed at line rate, see :data:`BURST_S`): its noise
+      variance is (``burst_s`` / d)^2, inverse-variance weighting. A 6 ms transfer in a
+      shaper's bucket barely moves the level; a 1 s transfer sets it. A sample without a
+      duration (a trace's, measured over a saturated interval) has a floor of 1 %.
+    - Change: an innovation beyond ``k`` (3) standard deviations of what the filter
+      expected adds its square to the level's variance, so that the level goes (almost)
+      all the way to a sample that can be trusted: a step or a fade is followed by the
+      first long transfer after it; a short burst, whose own noise is large, is not a
+      change.
+
+    On noise-free samples (a trace) it is the last value; on real transfers it averages
+    over about as many samples as their noise needs. The forecast is exp(level) for every
+    horizon. Never None after an update, never NaN, inf or <= 0; non-finite samples are
+    ignored.
+    """
+
+    #: Variance floor of a sample (log units squared): 1 %.
+    R_FLOOR = 1e-4
+    #: Longest gap between samples that adds drift variance (s), and the largest
+    #: variance of the level: they bound the arithmetic for any input; after such a gap
+    #: the next sample sets the level anyway.
+    MAX_GAP_S = 86400.0
+    MAX_VAR = 1e6
+    #: Rates are capped here (bit/s; 1 Pbit/s), so that exp(level) stays finite.
+    MAX_BPS = 1e15
+
+    def __init__(self, q=0.1, burst_s=BURST_S, k=3.0):
+        if not (0 < q < math.inf and 0 <= burst_s < math.inf and 0 < k < math.inf):
+            raise ValueError(f"need q > 0, burst_s >= 0, k > 0 (finite), got {q}, {burst_s}, {k}")
+        self.q, self.burst_s, self.k = float(q), float(burst_s), float(k)
+        if (self.burst_s, self.k) != (BURST_S, 3.0):   # not expressible by make_predictor
+            self.name = f"kalman(q={q:g}, burst_s={burst_s:g}, k={k:g})"
+        else:
+            self.name = "kalman" if self.q == 0.1 else f"kalman({q:g})"
+        self.reset()
+
+    def reset(self):
+        self._level = None   # log(rate)
+        self._var = None     # variance of the level
+        self._t = None
+        self.changes = 0     # samples taken as a change of level
+
+    def noise_var(self, duration_s):
+        """Variance (log units squared) of a sample from a transfer ``duration_s`` long."""
+        if duration_s is None:
+            return self.R_FLOOR
+        d = float(duration_s)
+        if not d > 0:        # 0, negative, NaN: no duration to trust
+            return math.inf
+        rel = self.burst_s / max(d, 1e-9)
+        return self.R_FLOOR + rel * rel
+
+    def update(self, t_s, measured_bps, duration_s=None):
+        x = float(measured_bps)
+        t = float(t_s)
+        if not (math.isfinite(x) and math.isfinite(t)):
+            return
+        y = math.log(min(max(x, RATE_FLOOR_BPS), self.MAX_BPS))
+        r = self.noise_var(duration_s)
+        if self._level is None:
+            if math.isinf(r):
+                r = 1.0      # the first sample sets the level whatever its noise
+            self._level, self._var, self._t = y, min(r, 1.0), t
+            return
+        gap = t - self._t
+        gap = min(max(gap, 0.0), self.MAX_GAP_S) if math.isfinite(gap) else self.MAX_GAP_S
+        self._t = max(self._t, t)
+        var = min(self._var + self.q * gap, self.MAX_VAR)
+        if math.isinf(r):
+            self._var = var
+            return
+        innov = y - self._level
+        if innov * innov > self.k * self.k * (var + r):
+            var += innov * innov
+            self.changes += 1
+        gain = var / (var + r)
+        self._level += gain * innov
+        self._var = (1.0 - gain) * var
+
+    def predict(self):
+        return None if self._level is None else math.exp(self._level)
+
+
 def default_predictors():
     """A fresh set of the predictors worth comparing."""
-    return [LastValue(), Ewma(0.3), Ewma(0.7), LogEwma(0.5), LogEwma(0.8),
+    return [KalmanLevel(), LastValue(), Ewma(0.3), Ewma(0.7), LogEwma(0.5), LogEwma(0.8),
             HarmonicMean(5), HarmonicMean(3), MedianOfN(3), MedianOfN(5), Ar1(50)]
 
 
@@ -239,14 +340,13 @@ class PassiveEstimator:
     :meth:`observe_rtt` (the base RTT; ``srtt_s``, RFC 6298 smoothing with gain 1/8, is
     kept for reporting), else none (no correction).
 
-    The default predictor is :class:`LastValue`: on the synthetic indoor/outdoor traces it
-    has the lowest MAE 100 ms ahead (see :func:`evaluate_predictors`); pass another, e.g.
-    the result of :func:`best_predictor` on the user's own traces.
+    The predictor gets each rate with the time its transfer spent on the link (the
+    duration less the RTT). The default is :data:`DEFAULT_PREDICTOR`.
     """
 
     def __init__(self, predictor=None, *, min_bytes=MIN_TRANSFER_BYTES, rtt_gain=0.125,
                  min_effective_fraction=0.1, min_duration_s=MIN_TRANSFER_S):
-        self.predictor = predictor if predictor is not None else LastValue()
+        self.predictor = predictor if predictor is not None else make_predictor()
         self.min_bytes = int(min_bytes)
         self.min_duration_s = float(min_duration_s)
         if not self.min_duration_s >= 0:
@@ -278,26 +378,34 @@ class PassiveEstimator:
         besides the bytes themselves."""
         return min(self._recent_rtts) if self._recent_rtts else None
 
-    def measure(self, sample, rtt_s=None):
-        """The rate a sample shows (bit/s), or None if it cannot show one. Pure."""
+    def _on_link_s(self, sample, rtt_s):
+        """The time a sample's bytes spent on the link (s), or None if it cannot show a
+        rate."""
         if sample.bytes < self.min_bytes or not sample.duration_s > 0:
             return None
         rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
         effective = sample.duration_s - (rtt or 0.0)
         if effective < max(self.min_effective_fraction * sample.duration_s, self.min_duration_s):
             return None
-        return sample.bytes * 8.0 / effective
+        return effective
+
+    def measure(self, sample, rtt_s=None):
+        """The rate a sample shows (bit/s), or None if it cannot show one. Pure."""
+        effective = self._on_link_s(sample, rtt_s)
+        return None if effective is None else sample.bytes * 8.0 / effective
 
     def add(self, sample, rtt_s=None):
-        """Measure a transfer and feed the predictor; returns the rate or None (ignored)."""
-        bps = self.measure(sample, rtt_s)
-        if bps is None:
+        """Measure a transfer and feed the predictor (the rate and its time on the link);
+        returns the rate or None (ignored)."""
+        effective = self._on_link_s(sample, rtt_s)
+        if effective is None:
             self.ignored += 1
             return None
+        bps = sample.bytes * 8.0 / effective
         self.used += 1
         self.last_measured_bps = bps
         self.last_t_s = sample.t_s
-        self.predictor.update(sample.t_s, bps)
+        self.predictor.update(sample.t_s, bps, effective)
         return bps
 
     def predict_bps(self):
@@ -310,23 +418,33 @@ class PassiveEstimator:
                                  self.predictor.name)
 
 
-def evaluate_predictors(trace, predictors, horizon_s=0.1, mape_floor_bps=MAPE_FLOOR_BPS):
+def evaluate_predictors(trace, predictors, horizon_s=0.1, mape_floor_bps=MAPE_FLOOR_BPS,
+                        target="point"):
     """Score each predictor on a trace: at every sample i it has seen samples 0..i and
-    predicts the rate ``horizon_s`` later (sample i + h). Predictors are reset first.
+    predicts the rate ``horizon_s`` later (sample i + h; ``target="mean"``: the mean of
+    samples i+1..i+h, the rate a transfer starting then and lasting ``horizon_s`` sees;
+    the same for one step). Samples are fed without a duration (each is a rate measured
+    over a saturated interval). Predictors are reset first.
 
     Returns one dict per predictor: predictor, trace, n, mae_bps, rmse_bps, mape_pct,
     mape_n, bias_bps (mean of predicted - actual)."""
+    if target not in ("point", "mean"):
+        raise ValueError(f"target must be 'point' or 'mean', got {target!r}")
     rates = np.asarray(trace.rates_bps, dtype=float)
     h = max(1, int(round(horizon_s / trace.step_s)))
     if rates.size <= h:
         raise ValueError(f"trace {trace.name!r} is shorter than the horizon")
-    actual = rates[h:]
+    if target == "point":
+        actual = rates[h:]
+    else:
+        cum = np.concatenate([[0.0], np.cumsum(rates)])
+        actual = (cum[h + 1:] - cum[1:-h]) / h
     rows = []
     for p in predictors:
         p.reset()
         pred = np.empty(actual.size)
         for i in range(actual.size):
-            p.update(i * trace.step_s, rates[i])
+            p.update((i + 1) * trace.step_s, rates[i])
             pred[i] = p.predict()
         err = pred - actual
         ok = actual >= mape_floor_bps
@@ -365,22 +483,26 @@ def best_predictor(traces, predictors=None, metric="mae_bps", horizon_s=0.1):
 
 #: Predictor names a user can configure (``~predictor``), with their constructors. A
 #: parameter is written in parentheses, as the predictors name themselves: "ewma(0.3)".
-PREDICTOR_KINDS = {"last": LastValue, "ewma": Ewma, "log-ewma": LogEwma,
-                   "harmonic": HarmonicMean, "median": MedianOfN, "ar1": Ar1}
-#: What "default" means: the lowest 100 ms-ahead MAE on the synthetic indoor and outdoor
-#: traces (``python -m robot_offload.bench predictors`` reproduces the ranking).
-DEFAULT_PREDICTOR = "last"
+PREDICTOR_KINDS = {"kalman": KalmanLevel, "last": LastValue, "ewma": Ewma,
+                   "log-ewma": LogEwma, "harmonic": HarmonicMean, "median": MedianOfN,
+                   "ar1": Ar1}
+#: What "default" means: the lowest error 100 and 300 ms ahead on real transfers through
+#: the shaped testbed, and the same as ``last`` on the synthetic traces
+#: (``python -m robot_offload.bench.predictors [--online]`` reproduces the table).
+DEFAULT_PREDICTOR = "kalman"
 
 
 #: The type of each kind's one optional argument (none for "last").
-_ARG_TYPES = {"ewma": float, "log-ewma": float, "harmonic": int, "median": int, "ar1": int}
+_ARG_TYPES = {"kalman": float, "ewma": float, "log-ewma": float, "harmonic": int,
+              "median": int, "ar1": int}
 _SPEC_RE = re.compile(r"^\s*([a-z0-9-]+)\s*(?:\(\s*([^)]*?)\s*\))?\s*$")
 
 
 def make_predictor(spec: str = "default") -> Predictor:
-    """A fresh predictor from its name, e.g. ``last``, ``ewma(0.3)``, ``harmonic(5)``,
-    ``log-ewma`` (no argument: the class default), ``default``. Anything else raises
-    ValueError naming the known kinds."""
+    """A fresh predictor from its name, e.g. ``kalman``, ``last``, ``ewma(0.3)``,
+    ``harmonic(5)``, ``log-ewma`` (no argument: the class default; ``kalman(Q)``: another
+    drift variance per second), ``default``. Anything else raises ValueError naming the
+    known kinds."""
     spec = (spec or "default").strip()
     if spec == "default":
         spec = DEFAULT_PREDICTOR

@@ -154,8 +154,14 @@ def test_best_predictor_on_the_synthetic_traces():
 
 
 def test_make_predictor_from_names():
-    assert isinstance(bw.make_predictor(), bw.LastValue)
-    assert isinstance(bw.make_predictor("default"), bw.LastValue)
+    assert isinstance(bw.make_predictor(), bw.KalmanLevel)
+    assert isinstance(bw.make_predictor("default"), bw.KalmanLevel)
+    assert isinstance(bw.PassiveEstimator().predictor, bw.KalmanLevel)
+    # the MPC convention and the previous default stay selectable by name
+    assert isinstance(bw.make_predictor("last"), bw.LastValue)
+    assert bw.make_predictor("harmonic(5)").name == "harmonic(5)"
+    assert bw.make_predictor("kalman(0.3)").q == 0.3
+    assert bw.make_predictor("kalman(0.1)").name == "kalman"
     assert bw.make_predictor("ewma(0.3)").alpha == 0.3
     assert bw.make_predictor("harmonic( 4 )").n == 4
     assert bw.make_predictor("log-ewma").name == "log-ewma(0.5)"
@@ -163,7 +169,7 @@ def test_make_predictor_from_names():
     for p in bw.default_predictors():
         assert bw.make_predictor(p.name).name == p.name
     with pytest.raises(ValueError, match="known: default, ar1, ewma"):
-        bw.make_predictor("kalman")
+        bw.make_predictor("lstm")
     with pytest.raises(ValueError, match="takes no argument"):
         bw.make_predictor("last(3)")
     with pytest.raises(ValueError, match="bad predictor"):

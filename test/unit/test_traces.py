@@ -116,3 +116,45 @@ def test_load_csv_rejects_unknown_columns(tmp_path):
 def test_resample_trace_to_coarser_step():
     t = traces.Trace([10.0, 20.0, 30.0, 40.0], 0.1)
     np.testing.assert_allclose(t.resample(0.2).rates_bps, [15, 35])
+
+
+def test_steps_square_wave():
+    t = traces.steps(duration_s=30)
+    assert t.name == "steps" and t.synthetic and len(t) == 300
+    r = t.rates_bps / MBIT
+    np.testing.assert_array_equal(r[:50], 100)          # starts high for 5 s
+    np.testing.assert_array_equal(r[50:100], 5)
+    np.testing.assert_array_equal(r[100:150], 100)
+    assert np.count_nonzero(np.diff(r)) == 5             # a switch every 5 s
+    u = traces.steps(duration_s=4, high_bps=10 * MBIT, low_bps=0.0, period_s=1.0)
+    np.testing.assert_array_equal(u.rates_bps[::10] / MBIT, [10, 0, 10, 0])
+    with pytest.raises(ConfigError):
+        traces.steps(period_s=0.01)
+
+
+def test_walk_stays_in_bounds_jumps_and_is_reproducible():
+    t = traces.walk()
+    assert t.name == "walk" and t.synthetic and len(t) == 600
+    assert t.rates_bps.min() >= 2 * MBIT - 1 and t.rates_bps.max() <= 200 * MBIT + 1
+    steps = np.abs(np.diff(np.log(t.rates_bps)))
+    # between jumps a step is a few sd of 0.05; a jump is far larger
+    assert np.median(steps) < 0.1 and steps.max() > 0.5
+    assert t.meta["jumps"] > 0
+    np.testing.assert_array_equal(t.rates_bps, traces.walk().rates_bps)
+    assert not np.array_equal(t.rates_bps, traces.walk(seed=5).rates_bps)
+    flat = traces.walk(sd_log=0.0, p_jump=0.0)
+    assert np.all(flat.rates_bps == flat.rates_bps[0])
+    with pytest.raises(ConfigError):
+        traces.walk(low_bps=0)
+
+
+def test_from_spec_names_seeds_and_errors():
+    assert set(traces.SYNTHETIC) >= {"indoor", "outdoor", "steps", "walk"}
+    assert traces.from_spec("steps", 10).name == "steps"
+    w = traces.from_spec("walk:7", 10)
+    assert w.name == "walk:7" and len(w) == 100
+    np.testing.assert_array_equal(w.rates_bps, traces.walk(10, seed=7).rates_bps)
+    assert traces.from_spec("const:20", 1).rates_bps[0] == 20 * MBIT
+    for bad in ("steps:3", "walk:x", "nope", "const:", "csv:"):
+        with pytest.raises(ConfigError):
+            traces.from_spec(bad, 10)

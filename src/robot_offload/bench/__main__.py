@@ -30,7 +30,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+")
     ap.add_argument("--modes", nargs="+")
-    ap.add_argument("--traces", nargs="+", help="const:MBPS, indoor, outdoor, iperf:PATH, csv:PATH")
+    ap.add_argument("--traces", nargs="+",
+                    help="const:MBPS, indoor, outdoor, steps, walk (NAME:SEED), iperf:PATH, csv:PATH")
     ap.add_argument("--frames", type=int)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--warmup-for", action="append", default=[], metavar="MODE=N",

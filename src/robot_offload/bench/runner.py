@@ -32,19 +32,8 @@ WARMUP_FRAME_TIMEOUT_S = 900.0
 
 
 def parse_trace(spec: str, duration_s: float) -> tr.Trace:
-    """``const:50`` (Mbit/s), ``indoor``, ``outdoor``, ``iperf:PATH`` or ``csv:PATH``."""
-    kind, _, arg = spec.partition(":")
-    if kind == "const":
-        return tr.constant(float(arg) * 1e6, duration_s)
-    if kind == "indoor":
-        return tr.indoor(duration_s)
-    if kind == "outdoor":
-        return tr.outdoor(duration_s)
-    if kind == "iperf":
-        return tr.load_iperf3_json(arg)
-    if kind == "csv":
-        return tr.load_csv(arg)
-    raise ConfigError(f"unknown trace {spec!r}: use const:MBPS, indoor, outdoor, iperf:PATH, csv:PATH")
+    """See :func:`robot_offload.testbed.traces.from_spec`."""
+    return tr.from_spec(spec, duration_s)
 
 
 @dataclass

@@ -12,6 +12,11 @@ parameters below are ours and are stated in each trace's ``source``:
   step: fades last 0.5 s on average, ~13 % of the time) on top of an AR(1) good-state rate
   (phi 0.9, sd 25 Mbit/s); in a fade the rate is uniform in [0, 2] Mbit/s. Scaled so the
   mean is exactly 73 Mbit/s.
+- steps: a square wave between two rates (default 100 and 5 Mbit/s, 5 s each, starting
+  high): the worst case for a predictor that smooths, and for one that trusts one sample.
+- walk: a random walk in log(rate) (sd 0.05 per 0.1 s step, reflected at [2, 200] Mbit/s)
+  with Markov jumps (2 % per step) to a level drawn log-uniformly in that range. Neither
+  model above made it; predictors can be checked on it after being chosen on the others.
 
 Loaders read an iperf3 ``-J`` log or a CSV and resample to 0.1 s by time-weighted
 averaging (each source value holds until the next one).
@@ -32,6 +37,7 @@ INDOOR_MEAN_BPS = 93e6
 OUTDOOR_MEAN_BPS = 73e6
 INDOOR_SEED = 20240093
 OUTDOOR_SEED = 20240073
+WALK_SEED = 20240002
 MBIT = 1e6
 
 
@@ -156,7 +162,72 @@ def outdoor(duration_s=60.0, seed=OUTDOOR_SEED, mean_bps=OUTDOOR_MEAN_BPS, step_
                  f"seed {seed}", {"seed": seed, "fade_fraction": float(in_fade.mean())})
 
 
-SYNTHETIC = {"indoor": indoor, "outdoor": outdoor}
+def steps(duration_s=60.0, high_bps=100 * MBIT, low_bps=5 * MBIT, period_s=5.0,
+          step_s=STEP_S):
+    """``high_bps`` for ``period_s``, then ``low_bps`` for ``period_s``, and so on."""
+    if not (high_bps >= 0 and low_bps >= 0 and period_s >= step_s):
+        raise ConfigError("steps: rates must be >= 0 and the period at least one step")
+    n = max(2, int(round(duration_s / step_s)))
+    per = int(round(period_s / step_s))
+    rates = np.where((np.arange(n) // per) % 2 == 0, float(high_bps), float(low_bps))
+    return Trace(rates, step_s, "steps", True,
+                 f"synthetic steps: {high_bps / MBIT:g} / {low_bps / MBIT:g} Mbit/s, "
+                 f"switching every {period_s:g} s", {"period_s": float(period_s)})
+
+
+def walk(duration_s=60.0, seed=WALK_SEED, step_s=STEP_S, low_bps=2 * MBIT,
+         high_bps=200 * MBIT, sd_log=0.05, p_jump=0.02):
+    """Log-rate random walk with Markov jumps (see the module docstring)."""
+    if not 0 < low_bps < high_bps or not sd_log >= 0 or not 0 <= p_jump <= 1:
+        raise ConfigError("walk: need 0 < low < high, sd_log >= 0, p_jump in [0, 1]")
+    n = max(2, int(round(duration_s / step_s)))
+    rng = np.random.default_rng(seed)
+    lo, hi = math.log(low_bps), math.log(high_bps)
+    noise = rng.normal(0.0, sd_log, n)
+    jump = rng.random(n) < p_jump
+    levels = rng.uniform(lo, hi, n)
+    x = np.empty(n)
+    x[0] = levels[0]
+    for i in range(1, n):
+        v = levels[i] if jump[i] else x[i - 1] + noise[i]
+        if v < lo:           # reflect at the bounds
+            v = 2 * lo - v
+        elif v > hi:
+            v = 2 * hi - v
+        x[i] = min(max(v, lo), hi)
+    return Trace(np.exp(x), step_s, "walk", True,
+                 f"synthetic walk: log-rate random walk sd {sd_log:g} per step in "
+                 f"[{low_bps / MBIT:g}, {high_bps / MBIT:g}] Mbit/s, jumps {p_jump:g} per "
+                 f"step to a log-uniform level; seed {seed}",
+                 {"seed": seed, "jumps": int(jump[1:].sum())})
+
+
+SYNTHETIC = {"indoor": indoor, "outdoor": outdoor, "steps": steps, "walk": walk}
+#: The synthetic traces that take a seed (``walk:7``).
+SEEDED = ("indoor", "outdoor", "walk")
+
+
+def from_spec(spec, duration_s=60.0):
+    """A trace from its name: ``const:MBPS``, a synthetic trace (``indoor``, ``outdoor``,
+    ``steps``, ``walk``; ``NAME:SEED`` for another seed of a seeded one), ``iperf:PATH``
+    or ``csv:PATH``. Raises ConfigError for anything else."""
+    kind, _, arg = str(spec).partition(":")
+    known = f"use const:MBPS, {', '.join(SYNTHETIC)} (NAME:SEED), iperf:PATH, csv:PATH"
+    try:
+        if kind == "const":
+            return constant(float(arg) * MBIT, duration_s)
+        if kind in SYNTHETIC and not arg:
+            return SYNTHETIC[kind](duration_s=duration_s)
+        if kind in SEEDED:
+            t = SYNTHETIC[kind](duration_s=duration_s, seed=int(arg))
+            return Trace(t.rates_bps, t.step_s, f"{kind}:{int(arg)}", True, t.source, t.meta)
+    except ValueError as e:
+        raise ConfigError(f"bad trace {spec!r}: {e}; {known}") from e
+    if kind == "iperf" and arg:
+        return load_iperf3_json(arg)
+    if kind == "csv" and arg:
+        return load_csv(arg)
+    raise ConfigError(f"unknown trace {spec!r}: {known}")
 
 
 def resample_piecewise(edges_s, values, step_s=STEP_S):
