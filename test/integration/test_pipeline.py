@@ -79,6 +79,38 @@ def test_frames_flow_and_stats_are_sane(launch, stats):
     assert list(results[-1].outputs[0].shape) == [1, 1000]
 
 
+def test_auto_through_the_launch_files(launch, stats):
+    """``mode:=auto`` with a camera of the input's size: every frame is run by a candidate
+    it names (``plan`` auto:<candidate>, its reason and the candidates' predictions in
+    ``detail_json``), and the result is published for each."""
+    launch.start("server.launch")
+    # a deadline that a loaded machine's probes of slow plans keep to
+    launch.start("robot.launch", "model:=resnet18", "rate_hz:=10", "input_size:=[64,64]", "timeout_s:=5.0",
+                 "mode:=auto", "camera:=false")
+    launch.rosrun("robot_offload", "camera_node", "__name:=camera", "_width:=64", "_height:=64",
+                  "_rate_hz:=10", "image:=/camera/image", "camera_info:=/camera/camera_info")
+    results = []
+    sub = rospy.Subscriber("/offload_client/result", InferenceResult, results.append, queue_size=50)
+    try:
+        # the first frame profiles the model for lop (seconds); then frames with a choice
+        chose = lambda m: m.executed_mode == "auto" and "predicted" in json.loads(m.detail_json)["auto"]  # noqa: E731
+        stats.wait_for(chose, 180)
+        end = time.monotonic() + 120
+        while sum(chose(m) for _, m in stats.msgs) < 5 and time.monotonic() < end:
+            time.sleep(0.2)
+    finally:
+        sub.unregister()
+    ran = [m for _, m in stats.msgs if m.executed_mode == "auto"]
+    assert len(ran) >= 6, [(m.executed_mode, m.plan, m.fallback_reason[:80], round(m.latency_s, 3)) for _, m in stats.msgs]
+    for m in ran:
+        a = json.loads(m.detail_json)["auto"]
+        assert m.mode == "auto" and m.plan.startswith(f"auto:{a['candidate']}") and a["reason"]
+        assert a["candidate"] in ("lop", "full_offload_image")
+        if "predicted" in a:
+            assert set(a["predicted"]) == {"lop", "full_offload_image"}
+    assert len(results) >= len(ran) - 1 and all(r.mode in ("auto", "local") for r in results)
+
+
 def test_a_camera_larger_than_the_input_sends_the_preprocessed_input(launch, stats):
     """The launch's 640 x 480 camera for a 64 x 64 input: the float32 input (48 KB) is
     smaller than the frame (900 KB), so the robot preprocesses and sends it."""

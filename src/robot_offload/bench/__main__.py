@@ -68,12 +68,20 @@ def main(argv=None):
                     help="image frames: natural (1/f statistics with sensor noise; zstd takes "
                          "it about as far as a photograph), synthetic (flat squares: 100x or "
                          "more, so sending the input looks nearly free), a folder or a video file")
+    ap.add_argument("--camera-size", default="640,480", metavar="W,H",
+                    help="image frames' size (px); at a model's input size full_offload and auto "
+                         "send the camera's uint8 image, at 640,480 a 224 x 224 model's float input")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
     try:
         open_source(args.frames_source, 8, 8).close()   # fail here, not in every segment's driver
+        camera_size = tuple(int(v) for v in args.camera_size.split(","))
+        if len(camera_size) != 2 or min(camera_size) < 1:
+            raise ValueError
     except ConfigError as e:
         ap.error(str(e))
+    except ValueError:
+        ap.error(f"--camera-size takes W,H in pixels, got {args.camera_size!r}")
     profile = dict(QUICK if args.quick else FULL)
     for key in ("models", "modes", "traces", "frames"):
         if getattr(args, key):
@@ -107,7 +115,7 @@ def main(argv=None):
                       timeout_s=args.timeout_s, input_sizes=sizes, loopback=args.loopback,
                       delay_ms=args.delay_ms, interleave=args.interleave,
                       paired_trace=not args.no_paired_trace, pin_cpus=args.pin_cpus,
-                      frames_source=args.frames_source, min_span_s=args.min_span_s,
+                      frames_source=args.frames_source, camera_size=camera_size, min_span_s=args.min_span_s,
                       max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
                       **profile)
     runner = BenchRunner(cfg)

@@ -18,7 +18,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from robot_offload.errors import ConfigError
 from robot_offload.models import get_spec
@@ -68,6 +68,7 @@ class BenchConfig:
     frames_source: str = "natural"   # image frames (camera.open_source): natural compresses
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
+    camera_size: Tuple[int, int] = (640, 480)   # image frames' width and height (px)
 
     @property
     def pairs_traces(self) -> bool:
@@ -162,8 +163,8 @@ class BenchRunner:
             else:
                 self.notes.append(f"link shaped with {tb.qdisc_kind} between network namespaces "
                                   f"(netem {'available' if tb.netem else 'missing'})")
-            self.notes.append(f"image frames: {cfg.frames_source} (camera.open_source; the same "
-                              "frames for every mode)")
+            self.notes.append(f"image frames: {cfg.frames_source}, {cfg.camera_size[0]}x{cfg.camera_size[1]} "
+                              "(camera.open_source; the same frames for every mode)")
             if cfg.min_span_s > 0:
                 self.notes.append(f"cells of at least {cfg.frames} frames, extended until their frames "
                                   f"spanned {cfg.min_span_s:g} s (at most {cfg.max_frames} frames)")
@@ -272,6 +273,7 @@ class BenchRunner:
         argv = [sys.executable, "-m", "robot_offload.ros.bench_driver", "--mode", *modes,
                 "--frames", cfg.frames, "--warmup", cfg.warmup, "--out", out, "--input-kind", kind,
                 "--source", cfg.frames_source,
+                "--width", cfg.camera_size[0], "--height", cfg.camera_size[1],
                 "--min-span-s", cfg.min_span_s, "--max-frames", cfg.max_frames,
                 "--settle-s", cfg.settle_s,
                 "--input-topic", "/bench/points" if kind == "pointcloud" else "/bench/image",
