@@ -11,7 +11,7 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.transport.inproc import InProcessTransport
 
-from devices import ON_CPU, assert_same_as_local
+from devices import ON_CPU, assert_same_as_local, assert_same_up_to_summation_order
 
 #: predicted bandwidths the frames are run at: a dead link, 5 and 100 Mbit/s, a free one
 BANDWIDTHS = (1e3, 5e6, 100e6, 1e12)
@@ -42,23 +42,6 @@ def _frame(spec, size, seed):
     return synthetic_scene(seed)
 
 
-def _assert_same_outputs(y, ref, what):
-    """Lossless candidates equal local up to summation order (a spatial schedule's
-    stripes): each floating output within 1e-5 of its own largest magnitude."""
-    if not ON_CPU:
-        assert_same_as_local(y, ref, msg=what)
-        return
-    ly, sy = structure.flatten(y)
-    lr, sr = structure.flatten(ref)
-    assert sy == sr, what
-    for a, b in zip(ly, lr):
-        if b.is_floating_point():
-            scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
-        else:
-            assert torch.equal(a, b), what
-
-
 @pytest.mark.parametrize("model", names())
 def test_auto_returns_what_local_returns(shared_server, profile_dir, model):
     client = _client(shared_server, model, profile_dir)
@@ -74,7 +57,7 @@ def test_auto_returns_what_local_returns(shared_server, profile_dir, model):
             ran.add(choice["candidate"])
             with torch.inference_mode():
                 ref = client.model(client.preprocess(frame))
-            _assert_same_outputs(y, ref, f"{model} at {bw:g} bit/s: {stats.plan}")
+            assert_same_up_to_summation_order(y, ref, f"{model} at {bw:g} bit/s: {stats.plan}")
         assert ran <= {"lop", "full_offload_image"}
     finally:
         client.close()
@@ -152,7 +135,7 @@ def test_switching_to_auto_and_losing_the_server_lose_no_frame(profile_dir):
             client.predicted_bandwidth_bps = 100e6
             y, stats = client.process(frame)
             modes.append(stats.executed_mode)
-            _assert_same_outputs(y, ref, f"frame {k}: {stats.plan}")
+            assert_same_up_to_summation_order(y, ref, f"frame {k}: {stats.plan}")
             if k >= 7:
                 # computed on the robot: a fallback that says why, or auto's all-local plan
                 assert stats.mode == "auto"

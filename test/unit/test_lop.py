@@ -44,7 +44,7 @@ from robot_offload.server import RequestRejected
 from robot_offload.stats import FrameStats
 from robot_offload.transport.inproc import InProcessTransport
 
-from devices import ON_CPU, assert_same_as_local
+from devices import assert_same_up_to_summation_order
 
 LOP_MODELS = ("vgg19", "resnet101", "densenet121", "regnet_y_400mf", "convnext_tiny",
               "mobilenet_v2", "kapao_l", "agrnav")
@@ -83,25 +83,6 @@ def _planned(client, seed: int):
     with torch.inference_mode():
         ref = client.model(x)
     return backend, x, ref, backend.lop_state(x), backend.state(x)
-
-
-def _assert_same_outputs(y, ref, what):
-    """Lossless lop equals local up to floating-point summation order: each floating
-    output within 1e-5 of its own largest magnitude (random-weight ResNet-101 logits reach
-    ~3e4, so an absolute tolerance alone would test nothing or everything), others exact.
-    With the server on another device, the cross-device comparison of ``devices``."""
-    if not ON_CPU:
-        assert_same_as_local(y, ref, msg=what)
-        return
-    ly, sy = structure.flatten(y)
-    lr, sr = structure.flatten(ref)
-    assert sy == sr, what
-    for a, b in zip(ly, lr):
-        if b.is_floating_point():
-            scale = max(1.0, float(b.abs().max()))
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
-        else:
-            assert torch.equal(a, b), what
 
 
 def _slab_check(sg, region, x_first, full_last, share):
@@ -262,7 +243,7 @@ def test_every_plan_loss_produces_equals_local(shared_server, profile_dir, model
         for p in plans.values():
             stats = FrameStats()
             y = backend.run_schedule(x, p, stats, 120)
-            _assert_same_outputs(y, ref, f"{model} {p.describe()}")
+            assert_same_up_to_summation_order(y, ref, f"{model} {p.describe()}")
             if p.spatial and p.robot_joins:
                 # one request: the server's rows come down, the robot joins them
                 assert stats.round_trips == 1 and stats.extra["lop"]["bytes_b"] == 0
@@ -484,7 +465,7 @@ def test_the_robot_runs_a_cheap_tail_whose_outputs_are_large(shared_server, prof
         assert plan.robot_joins and "robot joins" in plan.describe()
         stats = FrameStats()
         y = backend.run_schedule(x, plan, stats, 120)
-        _assert_same_outputs(y, ref, plan.describe())
+        assert_same_up_to_summation_order(y, ref, plan.describe())
         lop = stats.extra["lop"]
         assert stats.round_trips == 1 and lop["bytes_b"] == 0 and lop["join"] == "robot", lop
         full = sum(t.numel() * t.element_size() for t in structure.flatten(ref)[0])
@@ -493,7 +474,7 @@ def test_the_robot_runs_a_cheap_tail_whose_outputs_are_large(shared_server, prof
         zero = _spatial_plan(loss, st, i, 0)
         assert zero.share == 0 and zero.robot_stripe_s == 0
         stats = FrameStats()
-        _assert_same_outputs(backend.run_schedule(x, zero, stats, 120), ref, zero.describe())
+        assert_same_up_to_summation_order(backend.run_schedule(x, zero, stats, 120), ref, zero.describe())
         assert stats.round_trips == 1 and stats.extra["lop"]["join"] == "robot"
         # a lossy plan's rows come down as float16 (its integer codec's range guard needs
         # the tensors before encoding, which are on the server); a lossless plan's raw
@@ -522,7 +503,7 @@ def test_the_robot_runs_a_cheap_tail_whose_outputs_are_large(shared_server, prof
         assert plan.until == tuple(c3.crossing) and "robot from" in plan.describe()
         stats = FrameStats()
         y = backend.run_schedule(x, plan, stats, 120)
-        _assert_same_outputs(y, ref, plan.describe())
+        assert_same_up_to_summation_order(y, ref, plan.describe())
         lop = stats.extra["lop"]
         assert stats.round_trips == 2 and lop["join"] == "server" and lop["until"] == c3.label, lop
         # raw head maps hold as many values as the predictions: the saving is in float16
@@ -612,13 +593,13 @@ def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
         assert idp.last_stats.executed_mode == "lop", idp.last_stats.fallback_reason
         assert idp.last_stats.plan.startswith("lop")
         assert idp.last_stats.round_trips >= 1      # a fast server: the plan uses it
-        _assert_same_outputs(y, ref, "hooked model")
+        assert_same_up_to_summation_order(y, ref, "hooked model")
         # The server goes away: the hooked call still answers, locally.
         transport.server = None
         with torch.inference_mode():
             y = model(x)
         assert idp.last_stats.executed_mode == "local"
-        _assert_same_outputs(y, ref, "fallback")
+        assert_same_up_to_summation_order(y, ref, "fallback")
     finally:
         idp.stop_client()
     assert "forward" not in vars(model)
@@ -648,7 +629,7 @@ def _frames_at(backend, x, ref, n: int, bandwidth_bps: float, what: str):
     for _ in range(n):
         stats = FrameStats()
         stats.predicted_bandwidth_bps = bandwidth_bps
-        _assert_same_outputs(backend.infer(x, stats, 120), ref, what)
+        assert_same_up_to_summation_order(backend.infer(x, stats, 120), ref, what)
         frames.append(stats)
     return frames
 
@@ -712,7 +693,7 @@ def test_spatial_frames_feed_the_drift_tracker_only_after_the_join(shared_server
         frame = FrameStats()
         y = backend.run_schedule(x, LopPlan(bandwidth_bps=1e6, latency_s=local.latency_s,
                                             energy_j=0.0, partition=local), frame, 120)
-        _assert_same_outputs(y, ref, "all local")
+        assert_same_up_to_summation_order(y, ref, "all local")
         assert not frame.extra["lop"]["spatial"]
         assert st.tracker.samples["robot"] == before["robot"] + 1
     finally:
@@ -980,12 +961,12 @@ def test_a_new_table_carries_the_spatial_schedules_prediction_errors_over(shared
         lp_key = st.table.plans[0].key
         stats = FrameStats()
         stats.predicted_bandwidth_bps = spatial.bandwidth_bps
-        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        assert_same_up_to_summation_order(backend.infer(x, stats, 120), ref, "agrnav")
         st.measured._error[spatial.key] = deque([3.0, 3.0])
         st.measured._error[lp_key] = deque([2.0, 2.0])
         stats = FrameStats()
         stats.predicted_bandwidth_bps = spatial.bandwidth_bps
-        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        assert_same_up_to_summation_order(backend.infer(x, stats, 120), ref, "agrnav")
         assert list(st.measured._error[spatial.key])[:2] == [3.0, 3.0]   # the same table
         # a re-plan's table, which predicts the same schedule 3x slower
         again = dataclasses.replace(spatial, latency_s=3 * spatial.latency_s)
@@ -994,7 +975,7 @@ def test_a_new_table_carries_the_spatial_schedules_prediction_errors_over(shared
         ls.cfg = ls.calibration.apply(st.cfg)          # as solved: no re-plan starts
         stats = FrameStats()
         stats.predicted_bandwidth_bps = spatial.bandwidth_bps
-        _assert_same_outputs(backend.infer(x, stats, 120), ref, "agrnav")
+        assert_same_up_to_summation_order(backend.infer(x, stats, 120), ref, "agrnav")
         assert list(st.measured._error[spatial.key])[:2] == [pytest.approx(1.0)] * 2
         assert list(st.measured._error[lp_key])[:2] == [2.0, 2.0]   # (+ this frame's, if it ran)
     finally:
@@ -1037,7 +1018,7 @@ def test_a_slow_robot_stripe_moves_the_split_toward_the_server(shared_server, pr
         plan = dataclasses.replace(base, robot_stripe_s=base.robot_stripe_s / 3)
         for _ in range(3):
             y = backend.run_schedule(x, plan, FrameStats(), 120)
-            _assert_same_outputs(y, ref, "agrnav")
+            assert_same_up_to_summation_order(y, ref, "agrnav")
         _, c1, c2 = backend.region_of(ls.spatial, plan)
         region = (c1.id, c2.id)
         assert ls.calibration.factor(st.cfg, "robot", region) > 2.0
