@@ -60,7 +60,7 @@ def test_frames_flow_and_stats_are_sane(launch, stats):
     results = []
     sub = rospy.Subscriber("/offload_client/result", InferenceResult, results.append, queue_size=10)
     try:
-        _, first = stats.wait_for(lambda m: m.executed_mode == "full_offload", 90)
+        _, first = stats.wait_for(lambda m: m.executed_mode == "full_offload", 180)   # start-up: robot and server build the model
         time.sleep(2.0)
     finally:
         sub.unregister()
