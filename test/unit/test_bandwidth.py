@@ -154,11 +154,11 @@ def test_best_predictor_on_the_synthetic_traces():
 
 
 def test_make_predictor_from_names():
-    assert isinstance(bw.make_predictor(), bw.KalmanLevel)
-    assert isinstance(bw.make_predictor("default"), bw.KalmanLevel)
-    assert isinstance(bw.PassiveEstimator().predictor, bw.KalmanLevel)
-    # the MPC convention and the previous default stay selectable by name
-    assert isinstance(bw.make_predictor("last"), bw.LastValue)
+    assert isinstance(bw.make_predictor(), bw.LastValue)
+    assert isinstance(bw.make_predictor("default"), bw.LastValue)
+    assert isinstance(bw.PassiveEstimator().predictor, bw.LastValue)
+    # the MPC convention and the burst-discounting Kalman level are selectable by name
+    assert isinstance(bw.make_predictor("kalman"), bw.KalmanLevel)
     assert bw.make_predictor("harmonic(5)").name == "harmonic(5)"
     assert bw.make_predictor("kalman(0.3)").q == 0.3
     assert bw.make_predictor("kalman(0.1)").name == "kalman"
