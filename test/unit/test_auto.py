@@ -145,3 +145,22 @@ def test_switching_to_auto_and_losing_the_server_lose_no_frame(profile_dir):
         assert client.fallbacks == modes.count("local")
     finally:
         client.close()
+
+
+def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
+    """The cost model errs most on what no frame has timed: a candidate with fewer than
+    min_samples measured frames (in any bucket) runs as a probe while predicted within
+    first_probe_factor of the leader; then measured ratios correct its predictions."""
+    from types import SimpleNamespace
+    from robot_offload.backends.auto import AutoBackend, _Option
+    from robot_offload.partition.choice import MeasuredChoice
+    auto = SimpleNamespace(choice=MeasuredChoice(min_samples=2), first_probe_factor=3.0)
+    lead, image = _Option("lop", 0.040, 1.0), _Option("full_offload_image", 0.100, 1.0)
+    assert AutoBackend._first_probe(auto, [lead, image]) is image          # 2.5x: worth a frame
+    auto.choice.observe(0, image, 0.030)
+    assert AutoBackend._first_probe(auto, [lead, image]) is image          # one sample is not two
+    auto.choice.observe(5, image, 0.031)                                    # another bucket counts
+    assert AutoBackend._first_probe(auto, [lead, image]) is None
+    far = _Option("full_offload_image", 0.130, 1.0)                         # 3.25x: not worth it
+    assert AutoBackend._first_probe(SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=3.0),
+                                    [lead, far]) is None

@@ -63,6 +63,10 @@ class AutoBackend(Backend):
     name = "auto"
     needs_server = True
 
+    #: a candidate never measured is timed when predicted at most this many times the
+    #: leader's latency (see :meth:`_first_probe`)
+    first_probe_factor = 3.0
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.lop = LopBackend(ctx)
@@ -100,8 +104,10 @@ class AutoBackend(Backend):
         if self.choice is None:
             chosen, reason = ranked[0], f"lowest predicted {objective[:-2]}"
         else:
-            chosen, _probe = self.choice.choose(i, ranked[0], ranked[1:])
-            reason = str(self.choice.last.get("reason", ""))
+            chosen, reason = self._first_probe(ranked), "probe: never measured"
+            if chosen is None:
+                chosen, _probe = self.choice.choose(i, ranked[0], ranked[1:])
+                reason = str(self.choice.last.get("reason", ""))
         t0 = time.perf_counter()
         if chosen.key == IMAGE:
             y = self.full.infer_frame(frame, stats, timeout_s)
@@ -121,6 +127,20 @@ class AutoBackend(Backend):
             detail["medians_ms"] = self.choice.last.get("medians_ms", {})
         self._mark(stats, chosen.key, reason, detail)
         return y
+
+    def _first_probe(self, ranked):
+        """A candidate measured on fewer than ``min_samples`` frames in any bucket and
+        predicted within :attr:`first_probe_factor` of the leader, or None. The cost model
+        errs most on what a frame has never timed (the image's server time before any image
+        went up: MobileNetV2's predicted 45-50 ms on the testbed, measured 32), and only
+        measured ratios correct it (:meth:`MeasuredChoice.lead`); a candidate predicted far
+        slower (an upload over a dead link) is not worth the frame."""
+        lead = ranked[0]
+        for o in ranked[1:]:
+            if (self.choice.error_samples(o) < self.choice.min_samples
+                    and o.latency_s <= lead.latency_s * self.first_probe_factor):
+                return o
+        return None
 
     # -- predictions ----------------------------------------------------------------------
     def _lop_option(self, st, bw: float, objective: str) -> _Option:

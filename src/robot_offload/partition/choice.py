@@ -127,6 +127,10 @@ class MeasuredChoice:
             return False
         return any(self._best.get(b) == plan.key for b in (bucket - 1, bucket + 1))
 
+    def error_samples(self, plan) -> int:
+        """How many measured / predicted ratios ``plan`` has, from frames in any bucket."""
+        return len(self._error.get(plan.key, ()))
+
     def corrected_s(self, plan) -> Optional[float]:
         """``plan``'s prediction times the median measured / predicted ratio of its last
         frames in any bucket (None before ``min_samples`` of them)."""

@@ -66,7 +66,9 @@ class BandwidthMonitorNode:
                       + (f"every {self.probe_period_s} s of {self.probe_bytes} B" if self.transport else "off"))
 
     def _on_stats(self, msg):
-        if msg.round_trips == 0 or msg.transfer_s <= 0:
+        # One request only: a frame of several (lop's spatial schedules, op by op) overlaps
+        # its transfers with computing, so bytes / transfer_s is no rate of the link.
+        if msg.round_trips != 1 or msg.transfer_s <= 0:
             return
         base_rtt = self.estimator.min_rtt_s
         sample = TransferSample(t_s=msg.header.stamp.to_sec() + msg.latency_s,
