@@ -397,13 +397,35 @@ class PassiveEstimator:
         effective = self._on_link_s(sample, rtt_s)
         return None if effective is None else sample.bytes * 8.0 / effective
 
+    def burst_floor_bps(self, sample, rtt_s=None):
+        """For a burst (a transfer of at least ``min_bytes`` whose time on the link is
+        under ``min_duration_s``): the rate it shows were it ``min_duration_s`` long, the
+        least that such a burst says of the link. None for any other sample."""
+        if sample.bytes < self.min_bytes or not sample.duration_s > 0:
+            return None
+        rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
+        effective = sample.duration_s - (rtt or 0.0)
+        if not self.min_effective_fraction * sample.duration_s <= effective < self.min_duration_s:
+            return None
+        return sample.bytes * 8.0 / self.min_duration_s
+
     def add(self, sample, rtt_s=None):
         """Measure a transfer and feed the predictor (the rate and its time on the link);
-        returns the rate or None (ignored)."""
+        returns the rate or None (ignored).
+
+        A burst is ignored, unless the prediction is below even its floor
+        (:meth:`burst_floor_bps`): then the floor is fed. On a fast link every transfer of
+        the client may be a burst (a 150 KB camera image through a 100 Mbit/s shaper that
+        holds 250 KB), and the estimate of a slower link before stayed for good: the
+        monitor said 5.8 Mbit/s for a whole 100 Mbit/s run."""
         effective = self._on_link_s(sample, rtt_s)
         if effective is None:
-            self.ignored += 1
-            return None
+            floor = self.burst_floor_bps(sample, rtt_s)
+            predicted = self.predict_bps()
+            if floor is None or (predicted is not None and predicted >= floor):
+                self.ignored += 1
+                return None
+            effective = self.min_duration_s
         bps = sample.bytes * 8.0 / effective
         self.used += 1
         self.last_measured_bps = bps

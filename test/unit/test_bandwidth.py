@@ -85,18 +85,23 @@ def test_passive_estimator_ignores_small_and_corrects_rtt():
 
 def test_passive_estimator_ignores_a_burst_shorter_than_min_duration():
     """A token bucket passes its burst at line rate: 200 KB through a 100 Mbit/s shaper
-    holding 20 ms of the rate (250 KB) arrives in ~2 ms and would read 800 Mbit/s."""
+    holding 20 ms of the rate (250 KB) arrives in ~2 ms and would read 800 Mbit/s. A burst
+    only raises an estimate that is below its floor (its bytes in min_duration_s)."""
     est = bw.PassiveEstimator(bw.LastValue())
     assert est.min_duration_s == bw.MIN_TRANSFER_S == 0.005
-    assert est.add(bw.TransferSample(1.0, 200_000, 0.002)) is None
-    assert est.ignored == 1 and est.predict_bps() is None
-    # The RTT is taken off before the check: 10 ms, less 6 ms of RTT, is 4 ms on the link.
-    assert est.add(bw.TransferSample(2.0, 200_000, 0.010), rtt_s=0.006) is None
-    # A transfer that outlasts the burst shows the rate: 1.25 MB in 100 ms = 100 Mbit/s.
-    assert est.add(bw.TransferSample(3.0, 1_250_000, 0.100)) == pytest.approx(100e6)
-    # ... and a later burst leaves that estimate alone.
-    assert est.add(bw.TransferSample(4.0, 60_000, 0.0008)) is None
-    assert est.predict_bps() == pytest.approx(100e6) and est.ignored == 3
+    # A transfer that outlasts the burst shows the rate: 2.5 MB in 100 ms = 200 Mbit/s.
+    assert est.add(bw.TransferSample(1.0, 2_500_000, 0.100)) == pytest.approx(200e6)
+    # 100 KB in 2 ms reads 400 Mbit/s, a burst; its floor (160 Mbit/s) is below: ignored.
+    assert est.add(bw.TransferSample(2.0, 100_000, 0.002)) is None
+    # The RTT is taken off first: 10 ms less 6 ms of RTT is 4 ms on the link, a burst too.
+    assert est.add(bw.TransferSample(3.0, 100_000, 0.010), rtt_s=0.006) is None
+    assert est.predict_bps() == pytest.approx(200e6) and est.ignored == 2
+    # A burst whose floor is above the estimate raises it to the floor: 200 KB -> 320 Mbit/s.
+    assert est.add(bw.TransferSample(4.0, 200_000, 0.002)) == pytest.approx(320e6)
+    # The estimate of a slower link before: a 150 KB camera image in 3 ms lifts 5 Mbit/s.
+    slow = bw.PassiveEstimator(bw.LastValue())
+    assert slow.add(bw.TransferSample(1.0, 1_250_000, 2.0)) == pytest.approx(5e6)
+    assert slow.add(bw.TransferSample(2.0, 150_000, 0.003)) == pytest.approx(240e6)
     # 0 turns the check off (the 16 KB and latency-bound checks stay).
     assert bw.PassiveEstimator(min_duration_s=0).measure(
         bw.TransferSample(0, 200_000, 0.002)) == pytest.approx(800e6)
