@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from robot_offload import structure
+from robot_offload.backends.auto import LOP, _Option
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.transport.inproc import InProcessTransport
@@ -152,7 +153,7 @@ def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
     min_samples measured frames (in any bucket) runs as a probe while predicted within
     first_probe_factor of the leader; then measured ratios correct its predictions."""
     from types import SimpleNamespace
-    from robot_offload.backends.auto import AutoBackend, _Option
+    from robot_offload.backends.auto import AutoBackend
     from robot_offload.partition.choice import MeasuredChoice
     auto = SimpleNamespace(choice=MeasuredChoice(min_samples=2), first_probe_factor=3.0)
     lead, image = _Option("lop", 0.040, 1.0), _Option("full_offload_image", 0.100, 1.0)
@@ -164,3 +165,25 @@ def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
     far = _Option("full_offload_image", 0.130, 1.0)                         # 3.25x: not worth it
     assert AutoBackend._first_probe(SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=3.0),
                                     [lead, far]) is None
+
+
+def test_lop_frames_that_solved_or_profiled_are_no_sample(shared_server, profile_dir):
+    """layer_partition of the same client measured the profile first; auto's first lop
+    frame then solves lop's schedules (seconds on a robot): lop says it was not timed,
+    and auto keeps it out of its medians. Later lop frames are timed."""
+    client = _client(shared_server, "resnet18", profile_dir)
+    try:
+        auto = client._get_backend("auto")
+        lop_option = _Option(LOP, 1.0, 1.0)
+        frame = _frame(client.spec, client.input_size, seed=5)
+        client.predicted_bandwidth_bps = 1e3      # lop every frame (the image is far slower)
+        client.set_mode("layer_partition")
+        client.process(frame)                     # the shape's profile and plans
+        client.set_mode("auto")
+        _, first = client.process(frame)          # lop's first frame of the shape: solves LOSS
+        assert first.extra["auto"]["candidate"] == "lop" and first.extra["lop"]["timed"] is False
+        assert auto.choice.error_samples(lop_option) == 0
+        _, later = client.process(frame)
+        assert later.extra["lop"]["timed"] is True and auto.choice.error_samples(lop_option) == 1
+    finally:
+        client.close()

@@ -311,6 +311,7 @@ class LopBackend(LayerPartitionBackend):
             # layer_partition's all local at 41.5 ms.
             y, ran = self.partition_frame(x, st, stats, timeout_s, bw, sample=not profiled_now)
             self._as_lop(stats, ran, stats.extra["partition"]["probe"])
+            stats.extra["lop"]["timed"] = not profiled_now
             return y
         chosen, probe = plan, False
         j = st.table.index(bw)
@@ -357,6 +358,9 @@ class LopBackend(LayerPartitionBackend):
         if warm and st.measured is not None:
             st.measured.observe(j, chosen, time.perf_counter() - t0)
         stats.extra["lop"]["probe"] = probe
+        # whether the frame's latency is what the schedule costs (no solving, profiling or
+        # first run of new slab shapes in it): ``auto`` times lop by these frames only
+        stats.extra["lop"]["timed"] = warm
         if st.measured is not None:
             stats.extra["lop"]["choice"] = st.measured.last
         return y
