@@ -208,7 +208,8 @@ def test_auto_frames_have_a_prediction_row_per_candidate():
 
 
 def test_physical_limit_of_full_offload_frames():
-    """Input and output at the trace's rate, the server's compute and one round trip: the
+    """Input and output at the trace's rate (less the shaper's bucket, 20 ms of the rate,
+    which an idle link passes at line rate), the server's compute and one round trip: the
     frame's limit, and its latency over it, on constant-rate traces only."""
     from robot_offload.bench.report import add_physical_limits, physical_limit_check
     from robot_offload.testbed import traces as tr
@@ -219,14 +220,15 @@ def test_physical_limit_of_full_offload_frames():
     rows.append(dict(model="m", trace="const10M", mode_asked="full_offload", executed_mode="local", lost=False,
                      latency_s=0.5, bytes_up=0, bytes_down=0, server_compute_s=0.0, request_rtt_ms=2.0))
     add_physical_limits(rows, traces)
-    # 154528 bytes at 10 Mbit/s = 123.6224 ms, + 10 ms server + 2 ms RTT
-    limit = 0.1236224 + 0.010 + 0.002
+    # 150528 bytes less the 25000-byte bucket at 10 Mbit/s = 100.4224 ms (the 4000 bytes
+    # down fit in the bucket), + 10 ms server + 2 ms RTT
+    limit = 0.1004224 + 0.010 + 0.002
     assert [r.get("physical_limit_s") for r in rows[:3]] == [pytest.approx(limit)] * 3
     assert rows[1]["latency_over_limit"] == pytest.approx(0.200 / limit)
     assert all("physical_limit_s" not in r for r in rows[3:])     # a varying rate; a local frame
     (line,) = physical_limit_check(rows, traces)
-    assert line.startswith("ok: m @ const10M: 3 full_offload frames, min latency 150.0 ms >= input transfer 120.4 ms")
-    assert "limit 135.6 ms (input 120.4 + server 10.0 + output 3.2 + RTT 2.0 ms)" in line
-    assert "latency / limit 1.47 (min 1.11)" in line
+    assert line.startswith("ok: m @ const10M: 3 full_offload frames, min latency 150.0 ms >= input transfer 100.4 ms")
+    assert "limit 112.4 ms (input 100.4 + server 10.0 + output 0.0 + RTT 2.0 ms)" in line
+    assert "latency / limit 1.78 (min 1.33)" in line
     rows[0]["latency_s"] = 0.100                      # faster than its input can travel
     assert physical_limit_check(rows, traces)[0].startswith("FAIL")

@@ -10,6 +10,7 @@ import numpy as np
 from robot_offload.bandwidth import score_predictors
 from robot_offload.partition.graph import OUTPUT_CUT_LABEL
 from robot_offload.report import markdown_table, summarise
+from robot_offload.testbed.netns import BURST_S
 
 KEYS = ("model", "trace", "mode_asked")
 
@@ -27,14 +28,22 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
             w.writerow(r)
 
 
+def transfer_floor_s(nbytes: float, rate_bps: float) -> float:
+    """The least time ``nbytes`` take through the testbed's shaper at ``rate_bps``: what
+    exceeds its bucket (:data:`robot_offload.testbed.netns.BURST_S` of the rate, which a
+    link idle before the frame passes at line rate) at the rate."""
+    return max(0.0, nbytes - rate_bps / 8 * BURST_S) * 8 / rate_bps
+
+
 def physical_limit_s(row: dict, rate_bps: float) -> float:
     """The least latency a ``full_offload`` frame can have at ``rate_bps`` (both ways):
-    its input up and its output down at that rate, the server's compute as the server
-    reported it, and one request's round trip (``request_rtt_ms``, an empty Ping over the
-    client's connection; 0 where it was not measured)."""
+    its input up and its output down at that rate (less the shaper's bucket each way,
+    :func:`transfer_floor_s`), the server's compute as the server reported it, and one
+    request's round trip (``request_rtt_ms``, an empty Ping over the client's connection;
+    0 where it was not measured)."""
     rtt_ms = float(row.get("request_rtt_ms", float("nan")))
     rtt_s = rtt_ms / 1e3 if np.isfinite(rtt_ms) else 0.0
-    return ((row["bytes_up"] + row.get("bytes_down", 0)) * 8 / rate_bps
+    return (transfer_floor_s(row["bytes_up"], rate_bps) + transfer_floor_s(row.get("bytes_down", 0), rate_bps)
             + row.get("server_compute_s", 0.0) + rtt_s)
 
 
@@ -66,8 +75,8 @@ def physical_limit_check(rows: Sequence[dict], traces: Dict[str, object]) -> Lis
         if not np.isfinite(rate):
             continue
         offl = [r for r in rs if r.get("executed_mode") == "full_offload"]
-        bad = [r for r in offl if r["latency_s"] < r["bytes_up"] * 8 / rate]
-        floor_ms = 1e3 * min((r["bytes_up"] * 8 / rate for r in offl), default=float("nan"))
+        bad = [r for r in offl if r["latency_s"] < transfer_floor_s(r["bytes_up"], rate)]
+        floor_ms = 1e3 * min((transfer_floor_s(r["bytes_up"], rate) for r in offl), default=float("nan"))
         min_ms = 1e3 * min((r["latency_s"] for r in offl), default=float("nan"))
         line = (f"{'FAIL' if bad else 'ok'}: {model} @ {trace}: {len(offl)} full_offload frames, "
                 f"min latency {min_ms:.1f} ms >= input transfer {floor_ms:.1f} ms at {rate / 1e6:g} Mbit/s"
@@ -78,9 +87,9 @@ def physical_limit_check(rows: Sequence[dict], traces: Dict[str, object]) -> Lis
             limits = [physical_limit_s(r, rate) for r in offl]
             ratios = [r["latency_s"] / lim for r, lim in zip(offl, limits)]
             rtt = [float(r.get("request_rtt_ms", float("nan"))) for r in offl]
-            line += (f"; limit {med(limits):.1f} ms (input {med([r['bytes_up'] * 8 / rate for r in offl]):.1f}"
+            line += (f"; limit {med(limits):.1f} ms (input {med([transfer_floor_s(r['bytes_up'], rate) for r in offl]):.1f}"
                      f" + server {med([r.get('server_compute_s', 0.0) for r in offl]):.1f}"
-                     f" + output {med([r.get('bytes_down', 0) * 8 / rate for r in offl]):.1f}"
+                     f" + output {med([transfer_floor_s(r.get('bytes_down', 0), rate) for r in offl]):.1f}"
                      f" + RTT {float(np.median(rtt)):.1f} ms"
                      + ("" if np.isfinite(np.median(rtt)) else ", not measured: 0")
                      + f"), latency / limit {float(np.median(ratios)):.2f} (min {min(ratios):.2f})")
