@@ -24,7 +24,8 @@ from robot_offload.msg import InferenceResult, InferenceStats
 from robot_offload.ros import conversions as conv
 
 RATE_HZ = 5.0  # half the default 10 Hz: headroom on a shared 2-core machine
-NAV_ARGS = ["input_size:=[32,32,16]", f"rate_hz:={RATE_HZ}", "timeout_s:=1.0"]
+GRID = (32, 16, 32)  # X, Y, Z voxels: the registry's test size, 0.8 x 1.6 x 0.1 m over AGRNav's extent
+NAV_ARGS = ["input_size:=[{},{},{}]".format(*GRID), f"rate_hz:={RATE_HZ}", "timeout_s:=1.0"]
 LIDAR_TF = (-5.0, 0.3, 1.0, 0.5)  # the LiDAR in `world`: x, y, z (m), yaw (rad)
 
 
@@ -87,8 +88,8 @@ def read_csv(path):
 
 
 def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
-    # One torch thread: on a busy 2-core machine two threads contend and a 32x32x16 frame
-    # takes 5x longer; client_config is the launch file's own way to override client.yaml.
+    # One torch thread: on a busy 2-core machine two threads contend and a 32x16x32 frame
+    # takes 10x longer; client_config is the launch file's own way to override client.yaml.
     (tmp_path / "client.yaml").write_text("num_threads: 1\n")
     launch.start("agrnav_navigation.launch", *NAV_ARGS, "mode:=local", f"client_config:={tmp_path}/client.yaml",
                  "lidar_tf:={} {} {} {} 0 0".format(*LIDAR_TF))
@@ -117,14 +118,15 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
     result = by_stamp[cloud.header.stamp]
     assert cloud.header.frame_id == result.header.frame_id == "lidar" and result.model == "agrnav"
     out = decode_result(result)
-    assert tuple(out["occupancy"].shape) == (1, 16, 32, 32) and tuple(out["labels"].shape) == (1, 16, 32, 32)
+    nx, ny, nz = GRID
+    assert tuple(out["occupancy"].shape) == tuple(out["labels"].shape) == (1, 1, nx, nz, ny)
     xyz, labels = read_cloud(cloud)
     want_xyz, want_labels = occupied_voxels(out)
     assert len(xyz) == int((out["occupancy"] > 0).sum()) > 0
     np.testing.assert_array_equal(xyz, want_xyz)
     np.testing.assert_array_equal(labels, want_labels)
-    # 32 x 32 x 16 over 25.6 x 25.6 x 3.2 m: centres at odd multiples of half a voxel
-    steps = (xyz - np.array([0.0, -12.8, -2.0])) / np.array([0.8, 0.8, 0.2]) - 0.5
+    # 32 x 16 x 32 over 25.6 x 25.6 x 3.2 m from (-10, -10, -0.1): centres at odd multiples of half a voxel
+    steps = (xyz - np.array([-10.0, -10.0, -0.1])) / np.array([0.8, 1.6, 0.1]) - 0.5
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
 
     # 2b. AGRNav's planner input, in its planner's format: Float64MultiArray of x, y, z index
@@ -141,7 +143,7 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
         if result.header.stamp not in by_stamp:
             continue
         out = decode_result(result)
-        seen = voxelize(conv.pointcloud2_to_xyzi(by_stamp[result.header.stamp]), grid=(32, 32, 16))
+        seen = voxelize(conv.pointcloud2_to_xyzi(by_stamp[result.header.stamp]), grid=GRID)
         predicted, _ = occupied_mask(out, exclude=seen)
         want = planner_indices(predicted, DEFAULT_EXTENT, rot, (x, y, z), 0.1, (-10, -10, -0.1), (200, 200, 50))
         if np.array_equal(idx, want):
@@ -154,7 +156,7 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
     # A cell's centre, taken back into the LiDAR's frame, lies in a predicted voxel.
     cell = (idx[len(idx) // 2] + 0.5) * 0.1 + np.array([-10, -10, -0.1])
     in_lidar = rot.T @ (cell - np.array([x, y, z]))
-    assert voxelize(in_lidar[None], grid=(32, 32, 16))[0].numpy()[predicted].sum() == 1
+    assert voxelize(in_lidar[None], grid=GRID)[0, 0].numpy()[predicted].sum() == 1
 
     # 3. rosparam set switches the mode; the stats show it.
     local = stats.wait_for(lambda m: m.mode == "local", 10)
@@ -163,8 +165,8 @@ def test_navigation_flows_switches_mode_and_records(launch, topics, tmp_path):
     subprocess.run(["rosparam", "set", "/offload_client/mode", "full_offload"], check=True, timeout=20)
     offloaded = stats.wait_for(lambda m: m.mode == "full_offload" and m.executed_mode == "full_offload",
                                60, after=t_switch)
-    assert offloaded.bytes_up == 16 * 32 * 32 * 4 and offloaded.round_trips == 1
-    assert offloaded.bytes_down == 16 * 32 * 32 * (4 + 1)  # float32 logits + uint8 labels
+    assert offloaded.bytes_up == nx * ny * nz * 4 and offloaded.round_trips == 1
+    assert offloaded.bytes_down == nx * ny * nz * (4 + 1)  # float32 logits + uint8 labels
     time.sleep(2.0)  # some offloaded frames in the bag
 
     # 4. The bag converts to CSV and PNG.

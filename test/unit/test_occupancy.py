@@ -16,48 +16,48 @@ from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene, voxeliz
 
 pytestmark = pytest.mark.robot_side
 
-DEFAULT = (128, 128, 16)  # X, Y, Z: 0.2 m voxels on every axis over the default extent
+DEFAULT = (256, 256, 32)  # X, Y, Z: AGRNav's 0.1 m voxels on every axis over the default extent
 ODD = (32, 16, 8)         # 0.8 m forward, 1.6 m lateral, 0.4 m vertical
 
 
 def all_indices(grid):
     nx, ny, nz = grid
-    return np.argwhere(np.ones((nz, nx, ny), dtype=bool))  # (z, x, y) rows
+    return np.argwhere(np.ones((nx, nz, ny), dtype=bool))  # (x, z, y) rows
 
 
-@pytest.mark.parametrize("grid, zxy, xyz", [
-    (DEFAULT, (0, 0, 0), (0.1, -12.7, -1.9)),          # first voxel: lower corner + half a voxel
-    (DEFAULT, (15, 127, 127), (25.5, 12.7, 1.1)),      # last voxel
-    (DEFAULT, (9, 10, 64), (2.1, 0.1, -0.1)),
-    (ODD, (2, 3, 5), (2.8, -4.0, -1.0)),               # z=2 -> -2 + 2.5*0.4; x=3 -> 3.5*0.8; y=5 -> -12.8 + 5.5*1.6
-    (ODD, (7, 31, 0), (25.2, -12.0, 1.0)),
+@pytest.mark.parametrize("grid, xzy, xyz", [
+    (DEFAULT, (0, 0, 0), (-9.95, -9.95, -0.05)),       # first voxel: lower corner + half a voxel
+    (DEFAULT, (255, 31, 255), (15.55, 15.55, 3.05)),   # last voxel
+    (DEFAULT, (121, 19, 64), (2.15, -3.55, 1.85)),
+    (ODD, (3, 2, 5), (-7.2, -1.2, 0.9)),               # x=3 -> -10 + 3.5*0.8; y=5 -> -10 + 5.5*1.6; z=2 -> -0.1 + 2.5*0.4
+    (ODD, (31, 7, 0), (15.2, -9.2, 2.9)),
 ])
-def test_voxel_centres_hand_computed(grid, zxy, xyz):
-    np.testing.assert_allclose(voxel_centres(np.array([zxy]), grid), [xyz], atol=1e-9)
+def test_voxel_centres_hand_computed(grid, xzy, xyz):
+    np.testing.assert_allclose(voxel_centres(np.array([xzy]), grid), [xyz], atol=1e-9)
 
 
 def test_voxel_size():
-    np.testing.assert_allclose(voxel_size(DEFAULT), [0.2, 0.2, 0.2])
+    np.testing.assert_allclose(voxel_size(DEFAULT), [0.1, 0.1, 0.1])
     np.testing.assert_allclose(voxel_size(ODD), [0.8, 1.6, 0.4])
     np.testing.assert_allclose(voxel_size((4, 4, 4), ((0, 4), (0, 8), (-1, 1))), [1.0, 2.0, 0.5])
 
 
 def test_axis_order_matches_voxelize():
-    # One voxel set at tensor index [0, z=2, x=3, y=5] of a Z x X x Y = 8 x 32 x 16 grid ...
-    occ = torch.full((1, 8, 32, 16), -5.0)
-    occ[0, 2, 3, 5] = 3.0
-    labels = torch.zeros((1, 8, 32, 16), dtype=torch.uint8)
-    labels[0, 2, 3, 5] = 7
+    # One voxel set at tensor index [0, 0, x=3, z=2, y=5] of an X x Z x Y = 32 x 8 x 16 grid ...
+    occ = torch.full((1, 1, 32, 8, 16), -5.0)
+    occ[0, 0, 3, 2, 5] = 3.0
+    labels = torch.zeros((1, 1, 32, 8, 16), dtype=torch.uint8)
+    labels[0, 0, 3, 2, 5] = 7
     xyz, lab = occupied_voxels({"occupancy": occ, "labels": labels})
-    # ... is the point x=2.8 m forward, y=-4.0 m lateral, z=-1.0 m up ...
-    np.testing.assert_allclose(xyz, [[2.8, -4.0, -1.0]], atol=1e-6)
+    # ... is the point x=-7.2 m forward, y=-1.2 m lateral, z=0.9 m up ...
+    np.testing.assert_allclose(xyz, [[-7.2, -1.2, 0.9]], atol=1e-6)
     assert xyz.dtype == np.float32 and lab.dtype == np.float32 and lab.tolist() == [7.0]
     # ... and voxelize puts that point back at the same tensor index.
     grid = voxelize(xyz, grid=ODD)
-    assert grid.shape == (1, 8, 32, 16) and grid.sum() == 1 and grid[0, 2, 3, 5] == 1
+    assert grid.shape == (1, 1, 32, 8, 16) and grid.sum() == 1 and grid[0, 0, 3, 2, 5] == 1
 
 
-@pytest.mark.parametrize("grid", [DEFAULT, ODD, (32, 32, 16), (8, 24, 3)])
+@pytest.mark.parametrize("grid", [DEFAULT, ODD, (32, 32, 32), (8, 24, 3)])
 def test_round_trip_every_voxel(grid):
     centres = voxel_centres(all_indices(grid), grid)
     for dtype in (np.float64, np.float32):  # float32: what the published cloud carries
@@ -68,7 +68,7 @@ def test_round_trip_every_voxel(grid):
 def test_round_trip_subset_and_custom_extent():
     rng = np.random.default_rng(0)
     grid, extent = (40, 24, 10), ((-5.0, 15.0), (-3.0, 9.0), (0.0, 2.5))
-    want = torch.from_numpy(rng.random((1, 10, 40, 24)) < 0.1).float()
+    want = torch.from_numpy(rng.random((1, 1, 40, 10, 24)) < 0.1).float()
     xyz, _ = occupied_voxels({"occupancy": want * 2 - 1, "labels": torch.zeros_like(want, dtype=torch.uint8)},
                              extent=extent)
     assert len(xyz) == int(want.sum())
@@ -87,20 +87,20 @@ def test_points_land_within_half_a_voxel_of_their_centre():
 
 
 def test_threshold_is_strict_and_labels_follow():
-    occ = torch.tensor([0.0, 0.5, -1.0, 2.0, 1e-6, -1e-6, 0.0, 3.0]).repeat(4).reshape(1, 1, 8, 4)  # Z=1, X=8, Y=4
-    labels = torch.arange(32, dtype=torch.uint8).reshape(1, 1, 8, 4)
+    occ = torch.tensor([0.0, 0.5, -1.0, 2.0, 1e-6, -1e-6, 0.0, 3.0]).repeat(4).reshape(1, 1, 8, 1, 4)  # X=8, Z=1, Y=4
+    labels = torch.arange(32, dtype=torch.uint8).reshape(1, 1, 8, 1, 4)
     xyz, lab = occupied_voxels({"occupancy": occ, "labels": labels}, threshold_logit=0.0,
                                extent=((0, 8), (0, 4), (0, 1)))
-    keep = (occ[0, 0] > 0).numpy()
+    keep = (occ[0, 0, :, 0] > 0).numpy()
     assert len(xyz) == keep.sum()
-    np.testing.assert_array_equal(lab, labels[0, 0].numpy()[keep].astype(np.float32))
+    np.testing.assert_array_equal(lab, labels[0, 0, :, 0].numpy()[keep].astype(np.float32))
     ix, iy = np.nonzero(keep)
     np.testing.assert_allclose(xyz, np.c_[ix + 0.5, iy + 0.5, np.full(len(ix), 0.5)])
     assert len(occupied_voxels({"occupancy": occ, "labels": labels}, threshold_logit=0.5)[0]) == (occ > 0.5).sum()
 
 
 def test_empty_result_gives_no_points():
-    occ = torch.full((1, 16, 32, 32), -1.0)
+    occ = torch.full((1, 1, 32, 32, 32), -1.0)
     xyz, lab = occupied_voxels({"occupancy": occ, "labels": torch.zeros_like(occ, dtype=torch.uint8)})
     assert xyz.shape == (0, 3) and lab.shape == (0,)
 
@@ -108,18 +108,20 @@ def test_empty_result_gives_no_points():
 def test_agrnav_output_end_to_end():
     from robot_offload.models.registry import get_spec
     spec = get_spec("agrnav")
-    out = spec.build()(spec.example_input((32, 32, 16)))
+    out = spec.build()(spec.example_input(spec.test_input_size))
     xyz, lab = occupied_voxels(out)
-    assert len(xyz) == int((out["occupancy"] > 0).sum()) and np.all((lab >= 0) & (lab < 20))
-    assert torch.equal(voxelize(xyz, grid=(32, 32, 16)), (out["occupancy"] > 0).float())
+    assert 0 < len(xyz) == int((out["occupancy"] > 0).sum()) and np.all((lab >= 1) & (lab < 20))
+    assert torch.equal(voxelize(xyz, grid=spec.test_input_size), (out["occupancy"] > 0).float())
 
 
 @pytest.mark.parametrize("outputs, match", [
-    ({"occupancy": torch.zeros(1, 2, 8, 8)}, "labels"),
-    ([torch.zeros(1, 2, 8, 8)], "occupancy"),
-    ({"occupancy": torch.zeros(2, 2, 8, 8), "labels": torch.zeros(2, 2, 8, 8)}, "batch"),
-    ({"occupancy": torch.zeros(1, 2, 8, 8), "labels": torch.zeros(1, 2, 8, 4)}, "shape"),
-    ({"occupancy": torch.zeros(8, 8), "labels": torch.zeros(8, 8)}, "Z x X x Y"),
+    ({"occupancy": torch.zeros(1, 1, 8, 2, 8)}, "labels"),
+    ([torch.zeros(1, 1, 8, 2, 8)], "occupancy"),
+    ({"occupancy": torch.zeros(2, 1, 8, 2, 8), "labels": torch.zeros(2, 1, 8, 2, 8)}, "batch"),
+    ({"occupancy": torch.zeros(1, 3, 8, 2, 8), "labels": torch.zeros(1, 3, 8, 2, 8)}, "channels"),
+    ({"occupancy": torch.zeros(1, 1, 8, 2, 8), "labels": torch.zeros(1, 1, 8, 2, 4)}, "shape"),
+    ({"occupancy": torch.zeros(8, 8), "labels": torch.zeros(8, 8)}, "X x Z x Y"),
+    ({"occupancy": torch.zeros(1, 2, 8, 8), "labels": torch.zeros(1, 2, 8, 8)}, "X x Z x Y"),  # not N x Z x X x Y
 ])
 def test_malformed_results_are_refused(outputs, match):
     with pytest.raises(ValueError, match=match):
@@ -127,11 +129,11 @@ def test_malformed_results_are_refused(outputs, match):
 
 
 def test_configured_grid_must_match_and_config_validates():
-    out = {"occupancy": torch.zeros(1, 16, 32, 32), "labels": torch.zeros(1, 16, 32, 32, dtype=torch.uint8)}
+    out = {"occupancy": torch.zeros(1, 1, 32, 16, 32), "labels": torch.zeros(1, 1, 32, 16, 32, dtype=torch.uint8)}
     occupied_voxels(out, grid=(32, 32, 16))
     with pytest.raises(ValueError, match="grid"):
-        occupied_voxels(out, grid=(128, 128, 16))
-    cfg = OccupancyConfig(extent=([0, 25.6], [-12.8, 12.8], [-2, 1.2]), grid=(32, 32, 16)).validate()
+        occupied_voxels(out, grid=(32, 16, 32))
+    cfg = OccupancyConfig(extent=([-10, 15.6], [-10, 15.6], [-0.1, 3.1]), grid=(32, 32, 16)).validate()
     assert cfg.extent == DEFAULT_EXTENT and cfg.grid == (32, 32, 16)
     assert OccupancyConfig().validate().extent == DEFAULT_EXTENT
     for bad in (dict(extent=((0, 1), (0, 1))), dict(extent=((1, 0), (0, 1), (0, 1))),
@@ -139,7 +141,7 @@ def test_configured_grid_must_match_and_config_validates():
         with pytest.raises(ConfigError):
             OccupancyConfig(**bad).validate()
     with pytest.raises(ValueError, match="outside"):
-        voxel_centres(np.array([[16, 0, 0]]), (32, 32, 16))
+        voxel_centres(np.array([[0, 16, 0]]), (32, 32, 16))
 
 
 # ----------------------------------------------------------------------------- AGRNav's planner
@@ -171,10 +173,10 @@ def test_quaternion_matrix():
             quaternion_matrix(*bad)
 
 
-def one_voxel(grid, zxy):
+def one_voxel(grid, xzy):
     nx, ny, nz = grid
-    occ = np.zeros((nz, nx, ny), dtype=bool)
-    occ[zxy] = True
+    occ = np.zeros((nx, nz, ny), dtype=bool)
+    occ[xzy] = True
     return occ
 
 
@@ -202,32 +204,32 @@ def test_planner_indices_by_hand():
 def test_planner_indices_are_the_cells_centred_in_occupied_voxels(yaw):
     grid = (32, 32, 16)  # 0.8 x 0.8 x 0.2 m voxels over the default extent
     rng = np.random.default_rng(2)
-    occ = rng.random((16, 32, 32)) < 0.02
+    occ = rng.random((32, 16, 32)) < 0.02
     rot = quaternion_matrix(0, 0, math.sin(yaw / 2), math.cos(yaw / 2))
     t = np.array([-5.0, 0.3, 1.0])
     idx = planner_indices(occ, DEFAULT_EXTENT, rot, t, **PLANNER)
     # brute force over the whole planner map, in voxelize's half-open voxels
     cells = np.argwhere(np.ones((200, 200, 50), dtype=bool))
     sensor = (np.array(PLANNER["planner_origin"]) + (cells + 0.5) * 0.1 - t) @ rot
-    m = np.floor((sensor - np.array([0.0, -12.8, -2.0])) / voxel_size(grid)).astype(int)
+    m = np.floor((sensor - np.array(DEFAULT_EXTENT)[:, 0]) / voxel_size(grid)).astype(int)
     ok = np.all((m >= 0) & (m < np.array(grid)), axis=1)
-    want = cells[ok][occ[m[ok, 2], m[ok, 0], m[ok, 1]]]
+    want = cells[ok][occ[m[ok, 0], m[ok, 2], m[ok, 1]]]
     assert len(want) > 1000
     np.testing.assert_array_equal(idx, want)
 
 
 def test_exclude_keeps_only_what_the_sweep_did_not_see():
-    occ = torch.full((1, 2, 4, 4), -1.0)
-    occ[0, 0, 1, 1] = occ[0, 1, 2, 3] = occ[0, 0, 3, 0] = 1.0
-    seen = torch.zeros((1, 2, 4, 4))
-    seen[0, 0, 1, 1] = 1.0  # observed and predicted: left out
-    seen[0, 1, 0, 0] = 1.0  # observed only: not predicted anyway
+    occ = torch.full((1, 1, 4, 2, 4), -1.0)  # X x Z x Y = 4 x 2 x 4
+    occ[0, 0, 1, 0, 1] = occ[0, 0, 2, 1, 3] = occ[0, 0, 3, 0, 0] = 1.0
+    seen = torch.zeros((1, 1, 4, 2, 4))
+    seen[0, 0, 1, 0, 1] = 1.0  # observed and predicted: left out
+    seen[0, 0, 0, 1, 0] = 1.0  # observed only: not predicted anyway
     out = {"occupancy": occ, "labels": torch.zeros_like(occ, dtype=torch.uint8)}
     mask, _ = occupied_mask(out)
     predicted, _ = occupied_mask(out, exclude=seen)
-    assert mask.sum() == 3 and np.argwhere(predicted).tolist() == [[0, 3, 0], [1, 2, 3]]
+    assert mask.sum() == 3 and np.argwhere(predicted).tolist() == [[2, 1, 3], [3, 0, 0]]
     with pytest.raises(ValueError, match="exclude"):
-        occupied_mask(out, exclude=torch.zeros((1, 2, 4, 3)))
+        occupied_mask(out, exclude=torch.zeros((1, 1, 4, 2, 3)))
 
 
 def test_synthetic_sweeps_move_obstacles_deterministically():

@@ -495,6 +495,37 @@ def test_build_profile_measures_cuts_bytes_and_errors(small):
     assert all(len(c.ranges) == len(c.crossing) for c in p.candidates if c.kind != "output")
 
 
+class _Masked(nn.Module):
+    """An attention's -inf mask crosses a cut (AGRNav's criss-cross attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        e = self.c(x)
+        return torch.softmax(e.masked_fill(e < e.mean(), float("-inf")).flatten(1), dim=1)
+
+
+def test_a_tensor_the_codec_cannot_take_is_measured_raw():
+    """Frames send a tensor an integer codec cannot encode (non-finite values) or float16
+    cannot hold raw (``codec.encode_or_raw``): the profile measures it so, with no error,
+    instead of failing on it."""
+    torch.manual_seed(0)
+    graph = capture(_Masked().eval())
+    x = torch.randn(1, 3, 8, 8)
+    p = prof.build_profile(graph, "masked", "hash", [x], codecs=("raw", "float16", "int8c", "int8"),
+                           compressions=("none",), repeats=1)
+    masked = [c for c in p.cuts if list(c.crossing) == ["masked_fill"]]
+    assert masked and masked[0].bytes, "the mask's cut is measured"
+    for k in ("float16/none", "int8c/none", "int8/none"):
+        assert masked[0].bytes[k] == masked[0].raw_bytes
+    if masked[0].candidate:
+        assert masked[0].error["int8"] == masked[0].error["float16"] == 0.0
+    conv = next(c for c in p.cuts if list(c.crossing) == ["c"])
+    assert conv.bytes["int8/none"] < conv.raw_bytes / 3                # finite: quantised
+
+
 def test_profile_cache_key_and_refresh(small, tmp_path):
     model, graph, xs = small
     kw = dict(codecs=("raw", "int8"), compressions=("none",), repeats=1)

@@ -66,5 +66,10 @@ def test_pointcloud_preprocessing_is_voxelisation():
     spec = get_spec("agrnav")
     points = np.array([[1.0, 0.0, 0.0, 0.5]], dtype=np.float32)
     x = spec.preprocess(points, spec.test_input_size)
-    assert x.shape == (1, spec.test_input_size[2], spec.test_input_size[0], spec.test_input_size[1])
+    nx, ny, nz = spec.test_input_size
+    assert x.shape == (1, 1, nx, nz, ny)
     assert float(x.sum()) == 1.0
+    # the size a tensor was made at, for synthesising more of its kind
+    assert spec.input_size_of(x) == spec.test_input_size
+    image = get_spec("resnet18")
+    assert image.input_size_of(image.example_input((48, 64))) == (48, 64)

@@ -28,9 +28,10 @@ import numpy as np
 from robot_offload.apps.occupancy import AGRNAV_ORIGIN_M as ORIGIN_M
 from robot_offload.apps.occupancy import AGRNAV_VOXEL_SIZE_M as VOXEL_SIZE_M
 from robot_offload.errors import ConfigError
+from robot_offload.models.agrnav import DEFAULT_GRID
 
-#: The voxel files' grid: counts along x, y, z (AGRNav's point2vox).
-GRID_XYZ = (256, 256, 32)
+#: The voxel files' grid: counts along x, y, z (AGRNav's point2vox; the registry model's).
+GRID_XYZ = DEFAULT_GRID
 #: The node's script, relative to the checkout.
 NODE_SCRIPT = os.path.join("src", "perception", "SCONet", "network", "inference_ros.py")
 #: Where AGRNav's SemanticKITTI loader looks for voxel files, whatever its parameters say.

@@ -4,9 +4,9 @@ nodes in :mod:`robot_offload.ros` wrap these).
 
 The voxel mapping is the exact inverse of :func:`robot_offload.models.agrnav.voxelize`:
 that function puts a point ``p`` (metres) in voxel ``i = floor((p - lo) * n / (hi - lo))``
-per axis, and stores it at tensor index ``[0, iz, ix, iy]`` (``1 x Z x X x Y``: height
-slices first, then x forward, then y lateral). Voxel ``i``'s centre is therefore
-``lo + (i + 0.5) * (hi - lo) / n``, and a tensor index ``(iz, ix, iy)`` is the point
+per axis, and stores it at tensor index ``[0, 0, ix, iz, iy]`` (``1 x 1 x X x Z x Y``,
+SCONet's layout: x forward, then z up, then y lateral). Voxel ``i``'s centre is therefore
+``lo + (i + 0.5) * (hi - lo) / n``, and a grid index ``(ix, iz, iy)`` is the point
 ``(x, y, z)`` in the sensor's frame -- note the two different axis orders.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from robot_offload.errors import ConfigError
 from robot_offload.frames import check_pairing
-from robot_offload.models.agrnav import DEFAULT_EXTENT, synthetic_scene
+from robot_offload.models.agrnav import DEFAULT_EXTENT, ORIGIN_M, VOXEL_SIZE_M, synthetic_scene
 
 __all__ = [
     "OccupancyConfig",
@@ -67,17 +67,17 @@ def voxel_size(grid: Sequence[int], extent: Sequence[Sequence[float]] = DEFAULT_
     return (ext[:, 1] - ext[:, 0]) / np.asarray(_check_grid(grid), dtype=np.float64)
 
 
-def voxel_centres(indices_zxy: np.ndarray, grid: Sequence[int],
+def voxel_centres(indices_xzy: np.ndarray, grid: Sequence[int],
                   extent: Sequence[Sequence[float]] = DEFAULT_EXTENT) -> np.ndarray:
-    """Centres (N x 3 float64, columns x, y, z metres) of the voxels at tensor indices
-    ``indices_zxy`` (N x 3 integers in the ``Z x X x Y`` order of ``voxelize``'s output, as
+    """Centres (N x 3 float64, columns x, y, z metres) of the voxels at grid indices
+    ``indices_xzy`` (N x 3 integers in the ``X x Z x Y`` order of ``voxelize``'s grid, as
     ``np.argwhere`` on one grid gives them). ``grid`` is (X, Y, Z) voxels, ``voxelize``'s."""
     counts = np.asarray(_check_grid(grid), dtype=np.int64)  # x, y, z
     ext = check_extent(extent)
-    idx = np.asarray(indices_zxy)
+    idx = np.asarray(indices_xzy)
     if idx.ndim != 2 or idx.shape[1] != 3 or not np.issubdtype(idx.dtype, np.integer):
-        raise ValueError(f"indices must be an N x 3 integer array (z, x, y), got {idx.dtype} {idx.shape}")
-    ixyz = idx[:, [1, 2, 0]].astype(np.int64)  # (z, x, y) -> (x, y, z)
+        raise ValueError(f"indices must be an N x 3 integer array (x, z, y), got {idx.dtype} {idx.shape}")
+    ixyz = idx[:, [0, 2, 1]].astype(np.int64)  # (x, z, y) -> (x, y, z)
     if ixyz.size and (ixyz.min() < 0 or np.any(ixyz >= counts)):
         raise ValueError(f"voxel index outside the grid (X, Y, Z) = {tuple(counts)}")
     lo, hi = ext[:, 0], ext[:, 1]
@@ -85,22 +85,25 @@ def voxel_centres(indices_zxy: np.ndarray, grid: Sequence[int],
 
 
 def _grid_tensor(name: str, value) -> np.ndarray:
+    """One ``1 x 1 x X x Z x Y`` grid (or its ``X x Z x Y`` content) as ``X x Z x Y``."""
     arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
-    if arr.ndim == 4:
+    if arr.ndim == 5:
         if arr.shape[0] != 1:
             raise ValueError(f"{name}: one frame expected, got a batch of {arr.shape[0]}")
-        arr = arr[0]
+        if arr.shape[1] != 1:
+            raise ValueError(f"{name}: one value per voxel expected, got {arr.shape[1]} channels")
+        arr = arr[0, 0]
     if arr.ndim != 3 or 0 in arr.shape:
-        raise ValueError(f"{name} must be 1 x Z x X x Y, got shape {tuple(arr.shape)}")
+        raise ValueError(f"{name} must be 1 x 1 x X x Z x Y, got shape {tuple(arr.shape)}")
     return arr
 
 
 def occupied_mask(outputs: dict, threshold_logit: float = 0.0, grid: Sequence[int] = (),
                   exclude=None) -> Tuple[np.ndarray, np.ndarray]:
-    """``(mask, labels)`` of one AGRNav result: Z x X x Y booleans, True where the voxel is
+    """``(mask, labels)`` of one AGRNav result: X x Z x Y booleans, True where the voxel is
     occupied (its logit strictly above ``threshold_logit``), and the class ids.
 
-    ``outputs``: ``{"occupancy": 1 x Z x X x Y logits, "labels": 1 x Z x X x Y class ids}``
+    ``outputs``: ``{"occupancy": 1 x 1 x X x Z x Y logits, "labels": 1 x 1 x X x Z x Y class ids}``
     (tensors or arrays). ``grid`` (X, Y, Z), when given, must match the tensors' shape.
     ``exclude`` (a grid of the same shape, e.g. ``voxelize`` of the input sweep) clears the
     voxels where it is non-zero: what remains is what the model predicts beyond what was
@@ -113,7 +116,7 @@ def occupied_mask(outputs: dict, threshold_logit: float = 0.0, grid: Sequence[in
     labels = _grid_tensor("labels", outputs["labels"])
     if occ.shape != labels.shape:
         raise ValueError(f"occupancy {occ.shape} and labels {labels.shape} differ in shape")
-    nz, nx, ny = occ.shape
+    nx, nz, ny = occ.shape
     if grid and tuple(int(g) for g in grid) != (nx, ny, nz):
         raise ValueError(f"result grid (X, Y, Z) = {(nx, ny, nz)} differs from the configured "
                          f"grid {tuple(grid)}")
@@ -134,7 +137,7 @@ def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
     ``np.argwhere`` order. By default the tensors' shape is the grid.
     """
     mask, labels = occupied_mask(outputs, threshold_logit, grid)
-    nz, nx, ny = mask.shape
+    nx, nz, ny = mask.shape
     idx = np.argwhere(mask)
     xyz = voxel_centres(idx, (nx, ny, nz), extent).astype(np.float32)
     return xyz, labels[idx[:, 0], idx[:, 1], idx[:, 2]].astype(np.float32)
@@ -151,8 +154,8 @@ def occupied_voxels(outputs: dict, threshold_logit: float = 0.0,
 AGRNAV_PLANNER_TOPIC = "/non_intersection_coordinates"
 #: AGRNav's voxels: edge (m) and the corner of its grids, the planner's map and the voxel
 #: files its network reads (point2vox) alike
-AGRNAV_VOXEL_SIZE_M = 0.1
-AGRNAV_ORIGIN_M = (-10.0, -10.0, -0.1)
+AGRNAV_VOXEL_SIZE_M = VOXEL_SIZE_M
+AGRNAV_ORIGIN_M = ORIGIN_M
 
 
 def quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
@@ -170,20 +173,20 @@ def quaternion_matrix(x: float, y: float, z: float, w: float) -> np.ndarray:
     ])
 
 
-def planner_indices(occupied_zxy: np.ndarray, extent: Sequence[Sequence[float]], rotation: np.ndarray,
+def planner_indices(occupied_xzy: np.ndarray, extent: Sequence[Sequence[float]], rotation: np.ndarray,
                     translation: Sequence[float], planner_voxel_m: float, planner_origin: Sequence[float],
                     planner_grid: Sequence[int]) -> np.ndarray:
     """The planner's voxels in a model grid's occupied voxels: M x 3 int64 (x, y, z)
     indices, in C order, of the cells of the planner's map (``planner_grid`` voxels of
     ``planner_voxel_m`` from ``planner_origin``, its frame) whose centre, taken into the
-    sensor frame, lies in a True voxel of ``occupied_zxy`` (Z x X x Y over ``extent``, as
+    sensor frame, lies in a True voxel of ``occupied_xzy`` (X x Z x Y over ``extent``, as
     ``voxelize`` lays it out). ``rotation`` and ``translation`` map the sensor frame into
     the planner's: ``p -> rotation @ p + translation``. Cells outside ``planner_grid`` are
     never returned (the planner indexes its buffer with them unchecked)."""
-    occ = np.asarray(occupied_zxy).astype(bool)
+    occ = np.asarray(occupied_xzy).astype(bool)
     if occ.ndim != 3:
-        raise ValueError(f"occupied grid must be Z x X x Y, got shape {occ.shape}")
-    nz, nx, ny = occ.shape
+        raise ValueError(f"occupied grid must be X x Z x Y, got shape {occ.shape}")
+    nx, nz, ny = occ.shape
     ext = check_extent(extent)
     lo = ext[:, 0]
     model_counts = np.array([nx, ny, nz], dtype=np.int64)
@@ -213,7 +216,7 @@ def planner_indices(occupied_zxy: np.ndarray, extent: Sequence[Sequence[float]],
         m = np.floor(yz_part + i * affine[0]).astype(np.int64)
         inside = np.all((m >= 0) & (m < model_counts), axis=1)
         m = m[inside]
-        hit = np.flatnonzero(inside)[occ[m[:, 2], m[:, 0], m[:, 1]]]
+        hit = np.flatnonzero(inside)[occ[m[:, 0], m[:, 2], m[:, 1]]]
         out.append(np.concatenate([np.full((len(hit), 1), i, dtype=np.int64), yz[hit]], axis=1))
     return np.concatenate(out).astype(np.int64)
 

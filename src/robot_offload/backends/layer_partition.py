@@ -216,10 +216,7 @@ class LayerPartitionBackend(Backend):
         xs = [x.detach().clone()]
         spec = self.ctx.spec
         try:
-            if spec.input_kind == "image":
-                size = tuple(x.shape[2:])
-            else:
-                size = (int(x.shape[2]), int(x.shape[3]), int(x.shape[1]))
+            size = spec.input_size_of(x)
             extra = [spec.example_input(size, seed=1000 + i) for i in range(self.calibration_inputs - 1)]
         except Exception:  # noqa: BLE001 - any shape the registry cannot synthesise
             extra = []

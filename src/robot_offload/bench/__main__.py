@@ -1,7 +1,7 @@
 """Benchmark command line: ``rosrun robot_offload bench [--quick]`` (as root for the
 shaped testbed; otherwise loopback, unshaped, and the report says so).
 
-    --quick   resnet18 + agrnav (64x64x16), local vs full_offload, const:50 and outdoor, 6 frames
+    --quick   resnet18 + agrnav (64x64x32), local vs full_offload, const:50 and outdoor, 6 frames
               (under 3 minutes on the 2-core CI machine)
     (full)    resnet101, vgg19, kapao_l (640 px), agrnav; local vs full_offload;
               const:10, const:50, const:100, indoor, outdoor; 20 frames each
@@ -21,7 +21,7 @@ FULL = dict(models=["resnet101", "vgg19", "kapao_l", "agrnav"], modes=["local", 
             traces=["const:10", "const:50", "const:100", "indoor", "outdoor"], frames=20,
             input_sizes={"kapao_l": [640, 640]})
 QUICK = dict(models=["resnet18", "agrnav"], modes=["local", "full_offload"],
-             traces=["const:50", "outdoor"], frames=6, input_sizes={"agrnav": [64, 64, 16]})
+             traces=["const:50", "outdoor"], frames=6, input_sizes={"agrnav": [64, 64, 32]})
 
 
 def main(argv=None):

@@ -68,6 +68,13 @@ class ModelSpec:
         from robot_offload.models.agrnav import voxelize
         return voxelize(data, grid=size)
 
+    def input_size_of(self, x: torch.Tensor) -> Tuple[int, ...]:
+        """The ``input_size`` that :meth:`preprocess` makes ``x`` at: (H, W) of an
+        ``N x 3 x H x W`` image, (X, Y, Z) of an ``N x 1 x X x Z x Y`` voxel grid."""
+        if self.input_kind == "image":
+            return tuple(int(s) for s in x.shape[2:])
+        return int(x.shape[2]), int(x.shape[4]), int(x.shape[3])
+
     def example_input(self, input_size: Optional[Sequence[int]] = None, seed: int = 0) -> torch.Tensor:
         """A deterministic synthetic input at ``input_size`` (default: the model's)."""
         size = tuple(input_size or self.input_size)

@@ -98,22 +98,25 @@ def _kapao():
 
 
 class OccupancyAdapter(nn.Module):
-    """What a planner needs from AGRNav, compactly: occupancy logits and the semantic label
-    of every voxel (uint8 argmax), instead of 20 logits per voxel (21 MB per frame at
-    128 x 128 x 16, 16x the labels' size) crossing the link."""
+    """What a planner needs from AGRNav, compactly: per voxel an occupancy logit (the best
+    occupied class's score minus the empty class's: above 0 exactly where the label is not
+    empty) and the semantic label (uint8 argmax), both ``N x 1 x X x Z x Y``, instead of 20
+    scores per voxel (168 MB per 256 x 256 x 32 frame, 16x the two together) crossing the
+    link."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, x):
-        out = self.model(x)
-        return {"occupancy": out["occupancy"], "labels": out["semantics"].argmax(1).to(torch.uint8)}
+        scores = self.model(x)
+        occupancy = scores[:, 1:].amax(1, keepdim=True) - scores[:, :1]
+        return {"occupancy": occupancy, "labels": scores.argmax(1, keepdim=True).to(torch.uint8)}
 
 
 def _agrnav():
     from robot_offload.models.agrnav import build_agrnav
-    return OccupancyAdapter(build_agrnav(grid=(128, 128, 16)))
+    return OccupancyAdapter(build_agrnav())
 
 
 register(ModelSpec(name="kapao_l", task="keypoints", input_kind="image",
@@ -121,5 +124,5 @@ register(ModelSpec(name="kapao_l", task="keypoints", input_kind="image",
                    mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0),
                    description="KAPAO-L architecture: YOLOv5l6-style keypoint-object detector"))
 register(ModelSpec(name="agrnav", task="occupancy", input_kind="pointcloud",
-                   input_size=(128, 128, 16), test_input_size=(32, 32, 16), constructor=_agrnav,
-                   description="AGRNav architecture: voxel BEV UNet, occupancy + semantics"))
+                   input_size=(256, 256, 32), test_input_size=(32, 16, 32), constructor=_agrnav,
+                   description="AGRNav's SCONet architecture: voxel grid in, occupancy + semantic labels"))

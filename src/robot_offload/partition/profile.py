@@ -513,9 +513,14 @@ def _bits(codec_name: str) -> int:
 
 
 def _encodable(t: torch.Tensor, codec_name: str) -> bool:
-    if codec_name == "float16" and t.is_floating_point() and t.numel():
+    """Whether ``codec.encode`` takes ``t`` with ``codec_name``; where not, the frames send
+    it raw (``codec.encode_or_raw``), and so do the measurements here: float16 within its
+    range, the integer codecs finite values only (an attention's -inf mask)."""
+    if codec_name == "raw" or not t.is_floating_point() or not t.numel():
+        return True
+    if codec_name == "float16":
         return float(t.abs().max()) <= 65504.0
-    return True
+    return bool(torch.isfinite(t).all())
 
 
 def _round_trip(t: torch.Tensor, codec_name: str) -> torch.Tensor:

@@ -9,7 +9,8 @@ Operator classes
       concatenation along a dimension other than the rows;
     * ``rowwise`` -- each output row needs the same input row: ``Linear`` and ``LayerNorm``
       over trailing dimensions that do not include the rows (ConvNeXt's channels-last MLP),
-      and reductions over one other dimension (``argmax``, ``sum``, ``mean``, ...);
+      reductions over one other dimension (``argmax``, ``sum``, ``mean``, ...), and indexing
+      of other dimensions with integers and constant slices (``x[:, 1:]``);
     * ``block`` -- output rows need a window of input rows, given by kernel, stride,
       padding and dilation: ``Conv2d``, ``Conv3d`` (rows on any of its spatial axes),
       ``MaxPool2d``, ``AvgPool2d``, ``ConvTranspose2d``, nearest ``Upsample`` by an
@@ -20,10 +21,11 @@ Operator classes
       attention, a detection head kept as a leaf module, anything not recognised). A global
       operator needs its whole input, so spatial parts must be combined before it.
 
-    "Rows" are one spatial axis of every tensor (``H`` of ``N x C x H x W``; the axis is
-    followed through ``permute``), the axis Intra-DP splits along. Being conservative is
-    safe: an operator wrongly called global only costs parallelism; one wrongly called
-    local would give wrong outputs, so unknown operators are global.
+    "Rows" are one spatial axis of every tensor (``H`` of ``N x C x H x W``, ``D`` of
+    ``N x C x D x H x W``; the axis is followed through ``permute``), the axis Intra-DP splits
+    along. Being conservative is safe: an operator wrongly called global only costs
+    parallelism; one wrongly called local would give wrong outputs, so unknown operators are
+    global.
 
 Regions and stripes
     A :class:`Region` is the part of the graph between two prefix cuts whose nodes are all
@@ -141,9 +143,12 @@ class SpatialGraph:
         return m.shape if m is not None and m.is_tensor else None
 
     def _default_axis(self, name: str) -> Optional[int]:
-        """Rows of a tensor made by a global node or the input: dim -2 of 3+-d tensors."""
+        """Rows of a tensor made by a global node or the input: its first spatial axis, dim 2
+        of ``N x C x H x W`` and ``N x C x D x H x W`` tensors (dim 1 of 3-d ones)."""
         shape = self._shape(name)
-        return len(shape) - 2 if shape is not None and len(shape) >= 3 else None
+        if shape is None or len(shape) < 3:
+            return None
+        return 1 if len(shape) == 3 else 2
 
     def rows(self, name: str) -> int:
         """Row extent of tensor ``name``."""
@@ -322,6 +327,36 @@ class SpatialGraph:
             return self._global(n, "reduction moves the rows")
         return OpInfo("rowwise", ax_out, "reduction")
 
+    def _classify_getitem(self, n, data, ax, out) -> OpInfo:
+        """Basic indexing that leaves the rows' dimension whole (``scores[:, 1:]``,
+        ``x[0]``): every index an integer or a slice with constant integer bounds, the rows'
+        one a full slice or absent. Each output row is then part of the same input row.
+        Tensors, lists, ``None``, ``...`` and bounds computed in the graph are global."""
+        if len(data) != 1 or len(n.args) != 2 or n.kwargs or n.args[0] is not data[0]:
+            return self._global(n, "indexing with computed arguments")
+        shape_in = self._shape(data[0].name)
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        if len(index) > len(shape_in):
+            return self._global(n, "too many indices")
+        dropped = 0
+        for i, item in enumerate(index):
+            if isinstance(item, slice):
+                if not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                           for v in (item.start, item.stop, item.step)):
+                    return self._global(n, "slice with computed bounds")
+                if i == ax and item != slice(None):
+                    return self._global(n, "indexing the rows")
+            elif isinstance(item, int) and not isinstance(item, bool):
+                if i == ax:
+                    return self._global(n, "indexing the rows")
+                dropped += i < ax
+            else:
+                return self._global(n, f"index {type(item).__name__}")
+        ax_out = ax - dropped
+        if ax_out == 0 or ax_out >= len(out) or out[ax_out] != shape_in[ax]:
+            return self._global(n, "indexing moves the rows")
+        return OpInfo("rowwise", ax_out, "index")
+
     def _classify_function(self, n, data, ax, out) -> OpInfo:
         t = n.target
         if t in self._elementwise_fns:
@@ -330,6 +365,8 @@ class SpatialGraph:
             return self._classify_cat(n, data, ax, out)
         if t in REDUCE_FUNCTIONS:
             return self._classify_reduce(n, data, ax, out)
+        if t is operator.getitem:
+            return self._classify_getitem(n, data, ax, out)
         if t is torch.permute:
             return self._classify_permute(n, ax, n.args[1] if len(n.args) > 1 else n.kwargs.get("dims"))
         if t is F.layer_norm:

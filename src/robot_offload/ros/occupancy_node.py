@@ -1,10 +1,11 @@
 """occupancy_publisher: turns offload_client's AGRNav results into a point cloud of the
 occupied voxels, for RViz and planners, and into the input of AGRNav's planner.
 
-Subscribes ``result`` (InferenceResult with ``{"occupancy", "labels"}``), publishes
-``~occupied`` (sensor_msgs/PointCloud2: one point per voxel whose logit is above
-``~threshold_logit``, at the voxel centre, fields x, y, z in metres and ``label`` = class
-id, all float32) with the result's header, i.e. the input cloud's stamp and frame.
+Subscribes ``result`` (InferenceResult with ``{"occupancy", "labels"}``, each
+``1 x 1 x X x Z x Y``), publishes ``~occupied`` (sensor_msgs/PointCloud2: one point per voxel
+whose logit is above ``~threshold_logit``, at the voxel centre, fields x, y, z in metres and
+``label`` = class id, all float32) with the result's header, i.e. the input cloud's stamp
+and frame.
 
 With ``~planner_topic`` set (AGRNav's ``/non_intersection_coordinates`` by default) it also
 pairs each result with its input sweep (``points``, by stamp), keeps the occupied voxels
@@ -97,7 +98,7 @@ class OccupancyNode:
         try:
             outputs = self._decode(msg)
             occupied, _ = occupied_mask(outputs, c.threshold_logit, c.grid)
-            nz, nx, ny = occupied.shape
+            nx, nz, ny = occupied.shape
             seen = voxelize(conv.pointcloud2_to_xyzi(cloud), grid=(nx, ny, nz), extent=c.extent)
             predicted, _ = occupied_mask(outputs, c.threshold_logit, c.grid, exclude=seen)
         except ValueError as e:  # CodecError and ConfigError are ValueErrors too

@@ -16,7 +16,7 @@ ALLOWED_OPS = frozenset({
     'aten::_unsafe_view.default',  # registry, habits
     'aten::addmm.default',  # registry, programs, habits
     'aten::baddbmm.default',  # habits
-    'aten::bmm.default',  # habits
+    'aten::bmm.default',  # registry, habits
     'aten::cdist.default',  # habits
     'aten::col2im.default',  # habits
     'aten::conv1d.default',  # habits
@@ -25,7 +25,7 @@ ALLOWED_OPS = frozenset({
     'aten::conv_transpose2d.input',  # registry, habits
     'aten::convolution.default',  # registry, programs, habits
     'aten::dist.default',  # habits
-    'aten::einsum.default',  # habits
+    'aten::einsum.default',  # registry, habits
     'aten::im2col.default',  # habits
     'aten::linalg_vector_norm.default',  # habits
     'aten::linear.default',  # registry, habits
@@ -40,11 +40,11 @@ ALLOWED_OPS = frozenset({
     # inference_mode; it trusts its statistics' sizes, so check_arguments checks them first
     # (CALL_CHECKS).
     'aten::batch_norm.default',  # registry, programs, habits
-    'aten::group_norm.default',  # habits
+    'aten::group_norm.default',  # registry, habits
     'aten::instance_norm.default',  # habits
     'aten::layer_norm.default',  # registry, habits
     'aten::native_batch_norm.default',  # registry, programs, habits
-    'aten::native_group_norm.default',  # habits
+    'aten::native_group_norm.default',  # registry, habits
     'aten::native_layer_norm.default',  # registry, habits
 
     # Activations, softmax and their in-place forms.
@@ -220,7 +220,7 @@ ALLOWED_OPS = frozenset({
     # follow from the input's, so the session's byte budget bounds them.
     'aten::_unique2.default',  # registry, habits
     'aten::all.default',  # habits
-    'aten::amax.default',  # habits
+    'aten::amax.default',  # registry, habits
     'aten::amin.default',  # habits
     'aten::any.default',  # habits
     'aten::argmax.default',  # registry, programs, habits
@@ -253,7 +253,7 @@ ALLOWED_OPS = frozenset({
     'aten::std_mean.correction',  # habits
     'aten::std_mean.dim',  # habits
     'aten::sum.default',  # habits
-    'aten::sum.dim_IntList',  # habits
+    'aten::sum.dim_IntList',  # registry, habits
     'aten::topk.default',  # registry, programs, habits
     'aten::var.correction',  # habits
     'aten::var.dim',  # habits
@@ -269,7 +269,7 @@ ALLOWED_OPS = frozenset({
     'aten::index_fill.int_Scalar',  # habits
     'aten::index_put_.default',  # registry, habits
     'aten::index_select.default',  # habits
-    'aten::masked_fill.Scalar',  # habits
+    'aten::masked_fill.Scalar',  # registry, habits
     'aten::masked_fill_.Scalar',  # habits
     'aten::masked_scatter.default',  # habits
     'aten::scatter.value',  # habits
@@ -304,7 +304,7 @@ ALLOWED_OPS = frozenset({
     'aten::mT.default',  # habits
     'aten::meshgrid.indexing',  # registry, programs, habits
     'aten::movedim.int',  # habits
-    'aten::narrow.default',  # habits
+    'aten::narrow.default',  # registry, habits
     'aten::permute.default',  # registry, programs, habits
     'aten::repeat.default',  # habits
     'aten::repeat_interleave.self_int',  # habits
@@ -344,7 +344,7 @@ ALLOWED_OPS = frozenset({
     'aten::bernoulli_.float',  # habits
     'aten::dropout.default',  # registry, habits
     'aten::dropout_.default',  # registry
-    'aten::eye.default',  # habits
+    'aten::eye.default',  # registry, habits
     'aten::eye.m',  # habits
     'aten::feature_dropout.default',  # habits
     'aten::full.default',  # registry, programs, habits

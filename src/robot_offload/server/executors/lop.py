@@ -22,7 +22,7 @@ One lop inference is two requests with the same client-chosen ``frame`` id:
     to the bottom, encoded with the request's output codec; ``result_json["rows"]`` names
     each one's first row) and the frame ends there: the robot joins them under its own
     rows and runs the rest of the model itself. One request per inference, and only the
-    server's share of those tensors comes down (AGRNav's 1.3 MB of occupancy and labels;
+    server's share of those tensors comes down (AGRNav's 10.5 MB of occupancy and labels;
     KAPAO's head maps instead of its 2 MB of decoded predictions).
 
 ``{"phase": "finish", "frame": F, "last": [c2 names], "input_shape": [...]}``
