@@ -145,7 +145,7 @@ def test_agrnav_cuts_split_exactly():
     metas, ref = graph.record(x)
     cuts = graph.enumerate_cuts(metas)
     # the skips from every scale, and inside the attention its query, keys and values
-    assert len(cuts) == 190 and max(len(c.crossing) for c in cuts) == 9
+    assert len(cuts) == 197 and max(len(c.crossing) for c in cuts) == 10
     assert any(c.statics for c in cuts)     # the reshapes and the attention's mask read shapes
     widest = [i for i, c in enumerate(cuts) if len(c.crossing) == 9]
     for i, cut in enumerate(cuts):

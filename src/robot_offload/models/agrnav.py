@@ -253,7 +253,10 @@ class CrissCrossAttention(nn.Module):
         q, k, v = self.query(x), self.key(x), self.value(x)
         # energy[n, i, j, t]: position (i, j) against (t, j) of its column, then (i, t) of its row
         along_column = torch.einsum("ncij,nctj->nijt", q, k)
-        itself = torch.eye(h, dtype=torch.bool, device=x.device).unsqueeze(1)   # (i, ., t = i)
+        # (i, ., t = i), built from a tensor rather than torch.eye(h): torch.fx before 2.2
+        # cannot pass a traced size to a factory function
+        row = torch.ones_like(x[0, 0, :, 0]).cumsum(0)                          # 1 .. h
+        itself = (row.unsqueeze(1) == row.unsqueeze(0)).unsqueeze(1)
         along_column = along_column.masked_fill(itself, float("-inf"))        # counted in its row
         along_row = torch.einsum("ncij,ncit->nijt", q, k)
         attention = torch.softmax(torch.cat([along_column, along_row], dim=3), dim=3)
