@@ -381,16 +381,20 @@ class PassiveEstimator:
         besides the bytes themselves."""
         return min(self._recent_rtts) if self._recent_rtts else None
 
-    def _on_link_s(self, sample, rtt_s):
-        """The time a sample's bytes spent on the link (s), or None if it cannot show a
-        rate."""
+    def _time_less_rtt_s(self, sample, rtt_s):
+        """A sample's duration less the RTT (s), or None when it is too small or
+        latency-bound to show anything of the link (bursts included)."""
         if sample.bytes < self.min_bytes or not sample.duration_s > 0:
             return None
         rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
         effective = sample.duration_s - (rtt or 0.0)
-        if effective < max(self.min_effective_fraction * sample.duration_s, self.min_duration_s):
-            return None
-        return effective
+        return effective if effective >= self.min_effective_fraction * sample.duration_s else None
+
+    def _on_link_s(self, sample, rtt_s):
+        """The time a sample's bytes spent on the link (s), or None if it cannot show a
+        rate (too small, latency-bound, or a burst)."""
+        effective = self._time_less_rtt_s(sample, rtt_s)
+        return effective if effective is not None and effective >= self.min_duration_s else None
 
     def measure(self, sample, rtt_s=None):
         """The rate a sample shows (bit/s), or None if it cannot show one. Pure."""
@@ -401,11 +405,8 @@ class PassiveEstimator:
         """For a burst (a transfer of at least ``min_bytes`` whose time on the link is
         under ``min_duration_s``): the rate it shows were it ``min_duration_s`` long, the
         least that such a burst says of the link. None for any other sample."""
-        if sample.bytes < self.min_bytes or not sample.duration_s > 0:
-            return None
-        rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
-        effective = sample.duration_s - (rtt or 0.0)
-        if not self.min_effective_fraction * sample.duration_s <= effective < self.min_duration_s:
+        effective = self._time_less_rtt_s(sample, rtt_s)
+        if effective is None or effective >= self.min_duration_s:
             return None
         return sample.bytes * 8.0 / self.min_duration_s
 
