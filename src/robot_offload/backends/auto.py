@@ -71,11 +71,7 @@ class AutoBackend(Backend):
         super().__init__(ctx)
         self.lop = LopBackend(ctx)
         self.full = FullOffloadBackend(ctx)
-        c = ctx.config
-        self.choice: Optional[MeasuredChoice] = None
-        if int(c.probe_every) > 0 and c.objective == "latency":
-            self.choice = MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every),
-                                         known_margin=c.probe_known_margin)
+        self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
         self._up_ratio = 1.0    # bytes sent / image bytes of the last image offload (compression)
 
     # -- tensors: only lop's candidates exist ------------------------------------------

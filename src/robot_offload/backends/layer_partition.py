@@ -157,9 +157,7 @@ class LayerPartitionBackend(Backend):
             if factor is not None:
                 cfg = replace(cfg, server_load=factor)
                 tracker.assume("server", factor)
-            measured = (MeasuredChoice(margin=c.probe_margin, every=int(c.probe_every),
-                                       known_margin=c.probe_known_margin)
-                        if int(c.probe_every) > 0 and cfg.objective == "latency" else None)
+            measured = MeasuredChoice.from_client_config(c)
             st = _ShapeState(profile, cfg, PlanTable(profile, cfg), tracker, measured)
             self._states[shape] = st
         return st

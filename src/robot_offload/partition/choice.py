@@ -127,6 +127,15 @@ class MeasuredChoice:
             return False
         return any(self._best.get(b) == plan.key for b in (bucket - 1, bucket + 1))
 
+    @classmethod
+    def from_client_config(cls, c) -> Optional["MeasuredChoice"]:
+        """The measured choice a client's backends use (``probe_margin``, ``probe_every``,
+        ``probe_known_margin``), or None where there is none: probing off
+        (``probe_every`` 0) or the energy objective (energy is not measured per frame)."""
+        if int(c.probe_every) > 0 and c.objective == "latency":
+            return cls(margin=c.probe_margin, every=int(c.probe_every), known_margin=c.probe_known_margin)
+        return None
+
     def error_samples(self, plan) -> int:
         """How many measured / predicted ratios ``plan`` has, from frames in any bucket."""
         return len(self._error.get(plan.key, ()))
