@@ -20,7 +20,7 @@ import rospy
 from robot_offload.errors import OffloadTimeout, ServerUnavailable
 from robot_offload.ros import conversions as conv
 from robot_offload.srv import Compute, LoadModel, Ping
-from robot_offload.transport.base import Transport
+from robot_offload.transport.base import Transport, shutdown_now
 
 # method -> (service name under the server's namespace, srv type, to_srv, from_srv)
 SERVICES = {
@@ -104,7 +104,7 @@ class RosServiceTransport(Transport):
             self._free.clear()
         for p in proxies:
             p.close()
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        shutdown_now(self._workers)
 
 
 def connect(server_ns: str = "/offload_server", **kw) -> RosServiceTransport:

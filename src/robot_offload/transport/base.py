@@ -22,6 +22,8 @@ fresh token (:mod:`robot_offload.auth`) just before it leaves.
 
 import abc
 import concurrent.futures
+import queue
+import sys
 import threading
 
 from typing import Optional
@@ -98,7 +100,25 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         self._closed.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        shutdown_now(self._pool)
+
+
+def shutdown_now(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """Shut ``pool`` down without waiting, cancelling the calls that have not started:
+    ``shutdown(wait=False, cancel_futures=True)``, which Python 3.8 (the robot's, on ROS
+    Noetic) lacks -- there the queued calls are cancelled here the same way."""
+    if sys.version_info >= (3, 9):
+        pool.shutdown(wait=False, cancel_futures=True)
+        return
+    work_queue = getattr(pool, "_work_queue", None)
+    while work_queue is not None:
+        try:
+            item = work_queue.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            item.future.cancel()
+    pool.shutdown(wait=False)
 
 
 def threads_named(prefix: str) -> int:

@@ -8,7 +8,7 @@ missing. Used by unit tests and by single-process experiments.
 import concurrent.futures
 
 from robot_offload.errors import OffloadTimeout, ServerUnavailable
-from robot_offload.transport.base import Transport
+from robot_offload.transport.base import Transport, shutdown_now
 
 
 class InProcessTransport(Transport):
@@ -31,4 +31,4 @@ class InProcessTransport(Transport):
 
     def close(self):
         super().close()
-        self._runner.shutdown(wait=False, cancel_futures=True)
+        shutdown_now(self._runner)
