@@ -1,6 +1,6 @@
 """kapao_people_tracking.launch as shipped (synthetic RGB + depth + camera_info, small
-input): People messages and stats flow at the camera rate, and a mode switch through the
-parameter server is seen in the stats."""
+input, its default mode auto): People messages and stats flow at the camera rate, and a
+mode switch through the parameter server is seen in the stats."""
 
 import subprocess
 import time
@@ -34,7 +34,7 @@ def test_kapao_tracking_launch_flows_and_switches_mode(launch):
         msg = people[-1]
         assert msg.header.frame_id == "camera" and msg.track_status in ("none", "tracking", "coasting")
         assert -1 <= msg.target_index < max(len(msg.people), 1)
-        assert stats[-1].model == "kapao_l" and stats[-1].mode == "local"
+        assert stats[-1].model == "kapao_l" and stats[-1].mode == "auto"     # the launch default
         subprocess.run(["rosparam", "set", "/offload_client/mode", "full_offload"], check=True, timeout=20)
         end = time.monotonic() + 60
         while time.monotonic() < end and not any(s.executed_mode == "full_offload" for s in stats[-5:]):

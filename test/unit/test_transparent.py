@@ -2,6 +2,7 @@
 outputs as without interception; replay needs at most 2 round trips per inference once
 identified; divergences are detected; the server's ops entry refuses bad requests."""
 
+import copy
 import json
 import os
 import re
@@ -522,15 +523,78 @@ def test_early_replay_not_used_when_the_program_holds_more():
     assert sess.stats.divergences == 0
 
 
+class _Forward(nn.Module):
+    """``f`` as a module's forward: operators on weights are offloaded inside one."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args):
+        return self.f(*args)
+
+
 def _frame(sess, f, x) -> int:
-    """Run ``f(x)`` plainly and under ``sess``; assert the same output; return the round
-    trips the intercepted frame took."""
+    """Run ``f(x)`` plainly and under ``sess`` (as a module's forward); assert the same
+    output; return the round trips the intercepted frame took."""
     ref = f(x)
     before = sess.stats.round_trips
     with sess:
-        y = f(x).cpu()
+        y = _Forward(f)(x).cpu()
     assert_same_as_local(y, ref)
     return sess.stats.round_trips - before
+
+
+def _fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A conv-BN fusion as detectors' ``fuse()`` writes it: a new conv whose weight and
+    bias are copied in from products of the two layers' weights."""
+    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                      conv.padding, bias=True).requires_grad_(False)
+    scale = torch.diag(bn.weight.div(torch.sqrt(bn.eps + bn.running_var)))
+    fused.weight.copy_(torch.mm(scale, conv.weight.clone().view(conv.out_channels, -1)).view(fused.weight.shape))
+    fused.bias.copy_(bn.bias - bn.weight.mul(bn.running_mean).div(torch.sqrt(bn.running_var + bn.eps)))
+    return fused
+
+
+def test_weights_converted_and_fused_outside_forward_stay_on_the_robot():
+    """A float16 checkpoint converted with ``.float()`` and conv-BN fused before the first
+    inference (KAPAO's ``attempt_load``): that work reads weights outside any forward, so
+    it runs on the robot -- no round trip, no byte either way -- and the first inference
+    uploads the fused float32 weights once. Outputs equal the plain run's."""
+    torch.manual_seed(0)
+
+    def build():
+        return nn.Sequential(*[nn.Sequential(nn.Conv2d(c, 64, 3, padding=1, bias=False),
+                                             nn.BatchNorm2d(64), nn.ReLU()) for c in (3, 64, 64, 64)])
+
+    def load_and_fuse(model):
+        model.float()
+        for block in model:
+            block[0] = _fuse_conv_bn(block[0], block[1])
+            block[1] = nn.Identity()
+        return model
+
+    model = build().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    model.half()                                   # the checkpoint's format
+    plain = copy.deepcopy(model)
+    sess = _session()
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad():
+        ref = load_and_fuse(plain)(x)
+        with sess:
+            load_and_fuse(model)
+        assert (sess.stats.round_trips, sess.stats.bytes_up, sess.stats.bytes_down) == (0, 0, 0)
+        with sess:
+            y = model(x).cpu()
+    assert_same_as_local(y, ref)
+    fused_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert fused_bytes <= sess.stats.bytes_up < 1.2 * fused_bytes + 2 * x.numel() * 4, sess.stats
+    out_bytes = y.numel() * y.element_size()
+    assert sess.stats.bytes_down < out_bytes + fused_bytes / 10, sess.stats
 
 
 def test_data_dependent_shape_is_a_sync_point():

@@ -147,6 +147,10 @@ def _report(args, session: RemoteSession, t0: float) -> None:
           f"replays={s.replays} divergences={s.divergences} sequences={s.sequences_identified} "
           f"server_losses={s.server_losses} "
           f"not_static={session.not_static} wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
+    if s.ops_remote == 0 and s.ops_local > 0:
+        print("[transparent] nothing was offloaded: operators run on the server when they read "
+              "a server tensor, or a model's weights inside its forward (call the model as "
+              "model(x)); this program's ran on the robot", file=sys.stderr)
     if args.stats_out:
         _write_stats(args, session)
 

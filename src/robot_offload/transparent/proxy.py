@@ -3,9 +3,12 @@
 A :class:`RemoteTensor` stands in for a tensor the server holds: shape, strides and dtype,
 no storage; the few Tensor methods that need values download them. :class:`Interceptor`
 routes every aten operator of a thread to its session. :func:`_install_hooks` keeps
-``nn.Parameter`` data in robot memory and makes ``.data =`` visible to the upload cache.
+``nn.Parameter`` data in robot memory, makes ``.data =`` visible to the upload cache and
+tells the session whether an operator runs inside a module's forward
+(:func:`in_module_forward`).
 """
 
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -91,6 +94,26 @@ class Interceptor(TorchDispatchMode):
 
 
 _HOOKS_INSTALLED = False
+_FORWARD = threading.local()
+
+
+def in_module_forward() -> bool:
+    """Whether this thread is inside an ``nn.Module`` call (its forward and hooks).
+
+    Outside one, a program loads, converts and fuses its weights (``model.float()``,
+    ``fuse()``): work whose results the robot keeps as weights, so it runs on the robot
+    rather than round-tripping every weight through the server. A forward that raised
+    still leaves (the hook is called always); were the count ever left high, operators on
+    weights would only go back to running on the server."""
+    return getattr(_FORWARD, "depth", 0) > 0
+
+
+def _entering_forward(module, args):
+    _FORWARD.depth = getattr(_FORWARD, "depth", 0) + 1
+
+
+def _leaving_forward(module, args, result):
+    _FORWARD.depth = max(0, getattr(_FORWARD, "depth", 0) - 1)
 
 
 def _install_hooks() -> None:
@@ -98,13 +121,19 @@ def _install_hooks() -> None:
     cache. A module conversion (``model.half()``) computes each new weight with an
     operator that reads a weight, which runs on the server, and stores the result with
     ``param.data = new``; a fusion (``conv.weight = nn.Parameter(w * scale)``) wraps one.
-    A weight must hold robot memory (the program reads and writes it), so a proxy
-    stored there is downloaded first. ``.data =`` keeps the version counter: the
-    assignment also counts in ``_ro_data_epoch`` (see UploadsMixin._stamp)."""
+    Outside a module's forward those operators run on the robot (:func:`in_module_forward`);
+    inside one, or on server tensors, they run on the server. A weight must hold robot
+    memory (the program reads and writes it), so a proxy stored there is downloaded
+    first. ``.data =`` keeps the version counter: the assignment also counts in
+    ``_ro_data_epoch`` (see UploadsMixin._stamp). Global module hooks count the module
+    calls each thread is in."""
     global _HOOKS_INSTALLED
     if _HOOKS_INSTALLED:
         return
     _HOOKS_INSTALLED = True
+    from torch.nn.modules import module as nn_module
+    nn_module.register_module_forward_pre_hook(_entering_forward)
+    nn_module.register_module_forward_hook(_leaving_forward, always_call=True)
     # torch 2.1 (JetPack 5) names the C tensor base class _TensorBase
     base_data = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
     base_data = base_data.data

@@ -5,9 +5,10 @@ is active, every aten operator the program calls reaches :meth:`RemoteSession.di
 the Python counterpart of the paper's LD_PRELOAD shim around the CUDA runtime. An operator
 runs on the server when one of its tensors already lives there (a
 :class:`~robot_offload.transparent.proxy.RemoteTensor` proxy) or is a model weight
-(``nn.Parameter``) -- what a CUDA program would have put on the GPU; the program's own
-tensor work (building the input, bookkeeping, factories) runs on the robot as before, and
-its results are uploaded when an offloaded operator reads them. Views of robot tensors
+(``nn.Parameter``) read inside a module's forward -- what a CUDA program would have put
+on the GPU; the program's own tensor work (building the input, bookkeeping, factories,
+and loading, converting or fusing weights outside any forward) runs on the robot as
+before, and its results are uploaded when an offloaded operator reads them. Views of robot tensors
 stay robot-side views even of weights (a program may write through them; the server gets
 the view's base once and makes the same view). A proxy has the shape, strides and dtype of the server tensor and no storage;
 reading its values (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.item()``, printing, a
@@ -73,7 +74,7 @@ from robot_offload.errors import Incompatible, OffloadError, OffloadTimeout, Rem
 from robot_offload.protocol import ComputeRequest, PingRequest, StatusCode, raise_for_status
 from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, FallbackMixin, _is_random, _short_name
-from robot_offload.transparent.proxy import Interceptor, RemoteTensor, _install_hooks
+from robot_offload.transparent.proxy import Interceptor, RemoteTensor, _install_hooks, in_module_forward
 from robot_offload.transparent.recorder import Recorder
 from robot_offload.transparent.remote_calls import RemoteCallsMixin, _status_of
 from robot_offload.transparent.replay import ReplayMixin, _Speculation
@@ -205,10 +206,13 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
                                             and a._cell[1] != self._generation else a, (args, kwargs))
                     flat = wire.leaves((args, kwargs))
                 remote = any(isinstance(a, RemoteTensor) for a in flat)
-                if not remote and (self._schema(func)[4] or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
+                if not remote and (self._schema(func)[4] or not in_module_forward()
+                                   or not any(isinstance(a, torch.nn.Parameter) for a in flat)):
                     # Robot tensors only and no weight: the program's own work (building the
-                    # input, bookkeeping) stays on the robot; and a view of a weight stays a view
-                    # of robot memory (programs write through them: YOLO's bias initialisation).
+                    # input, bookkeeping) stays on the robot; so does work on weights outside
+                    # a module's forward (loading, converting, fusing them: the robot keeps
+                    # the results as weights); and a view of a weight stays a view of robot
+                    # memory (programs write through them: YOLO's bias initialisation).
                     self.stats.ops_local += 1
                     if self._schema(func)[0] or _short_name(func) in HIDDEN_WRITES:
                         if self._spec is not None:
