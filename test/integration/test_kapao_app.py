@@ -5,18 +5,22 @@ mode switch through the parameter server is seen in the stats."""
 import subprocess
 import time
 
+import pytest
 import rospy
 
 from robot_offload.msg import InferenceStats, People
 
 
+@pytest.mark.timeout(1200)
 def test_kapao_tracking_launch_flows_and_switches_mode(launch):
     launch.start("kapao_people_tracking.launch", "input_size:=[128,128]", "rate_hz:=4")
     people, stats = [], []
     subs = [rospy.Subscriber("/person_tracker/people", People, people.append, queue_size=20),
             rospy.Subscriber("/offload_client/stats", InferenceStats, stats.append, queue_size=20)]
     try:
-        end = time.monotonic() + 120
+        # auto's first frame measures the model's profile (seconds idle, minutes on a
+        # machine whose CPU is oversubscribed)
+        end = time.monotonic() + 600
         while len(people) < 3 and time.monotonic() < end:
             time.sleep(0.2)
         assert len(people) >= 3, "no People messages from person_tracker"

@@ -55,7 +55,9 @@ def test_unknown_mode_is_refused_and_mode_kept(shared_server):
 
 
 def test_slow_server_falls_back_within_deadline(shared_server, x):
-    c = _client(SlowServer(shared_server, 3.0), timeout_s=0.3, retry_interval_s=1.0)
+    # The margins are seconds (a loaded machine's local inference takes a good part of
+    # one): a 2 s deadline against a server that answers after 8 s.
+    c = _client(SlowServer(shared_server, 8.0), timeout_s=2.0, retry_interval_s=1.0)
     try:
         assert c.connect()
         t0 = time.monotonic()
@@ -63,14 +65,14 @@ def test_slow_server_falls_back_within_deadline(shared_server, x):
         elapsed = time.monotonic() - t0
         assert stats.executed_mode == "local" and "OffloadTimeout" in stats.fallback_reason
         assert "raise it if the server or link is only slow" in stats.fallback_reason
-        assert elapsed < 0.3 + 1.0, elapsed  # deadline + one local inference, never 3 s
+        assert elapsed < 2.0 + 3.0, elapsed  # deadline + one local inference, never 8 s
         with torch.inference_mode():
             assert_same_as_local(y, c.model(x))
         # While the link is down, frames go local at once without waiting for a deadline.
         t0 = time.monotonic()
         _, stats = c.infer(x)
         assert stats.executed_mode == "local" and stats.fallback_reason.startswith("server unavailable")
-        assert time.monotonic() - t0 < 0.3
+        assert time.monotonic() - t0 < 2.0
         assert c.fallbacks == 2
         # The server answers pings, so the link comes back after the back-off, and a
         # second miss doubles it: one missed deadline per back-off period, not per frame.
