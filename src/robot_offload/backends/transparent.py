@@ -47,9 +47,6 @@ class _OperatorBackend(Backend):
             raise Incompatible(StatusCode.INCOMPATIBLE, self._refusal[1])
         sess.refused_ops = self.ctx.link.refused_ops
         t0 = time.perf_counter()
-        # The frame's deadline bounds every call of it; no shorter per-call limit of the
-        # session's own (a replay of a large model on a slow server is one long call).
-        sess.timeout_s = timeout_s
         sess.deadline = t0 + timeout_s
         sess.frame_stats = stats
         calls_before = stats.transfer_s + stats.server_compute_s

@@ -118,13 +118,12 @@ def _leaving_forward(module, args, result):
 
 def _install_hooks() -> None:
     """Keep ``nn.Parameter`` data on the robot and make ``.data =`` visible to the upload
-    cache. A module conversion (``model.half()``) computes each new weight with an
-    operator that reads a weight, which runs on the server, and stores the result with
+    cache. A module conversion (``model.half()``) stores each new weight with
     ``param.data = new``; a fusion (``conv.weight = nn.Parameter(w * scale)``) wraps one.
-    Outside a module's forward those operators run on the robot (:func:`in_module_forward`);
-    inside one, or on server tensors, they run on the server. A weight must hold robot
-    memory (the program reads and writes it), so a proxy stored there is downloaded
-    first. ``.data =`` keeps the version counter: the assignment also counts in
+    Outside a module's forward the operators computing them run on the robot
+    (:func:`in_module_forward`); inside one, or on server tensors, on the server, and the
+    new weight is then a proxy. A weight must hold robot memory (the program reads and
+    writes it), so a proxy stored there is downloaded first. ``.data =`` keeps the version counter: the assignment also counts in
     ``_ro_data_epoch`` (see UploadsMixin._stamp). Global module hooks count the module
     calls each thread is in."""
     global _HOOKS_INSTALLED

@@ -107,7 +107,8 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         self.mode = mode
         self.client_id = client_id or "transparent-" + uuid.uuid4().hex[:8]
         self.timeout_s = timeout_s
-        self.deadline = None              # absolute perf_counter deadline (backends set it)
+        self.deadline = None              # absolute perf_counter deadline of a frame (backends
+                                          # set it; it replaces timeout_s for each call)
         self.output_codec = output_codec
         self.stats = SessionStats()
         self.frame_stats = None           # a FrameStats to account calls into, if any
