@@ -73,6 +73,10 @@ class LoadModelResponse:
     load_time_s: float = 0.0
 
 
+#: Longest deadline a compute request may state (s); 0 states none.
+MAX_DEADLINE_S = 3600.0
+
+
 @dataclass
 class ComputeRequest:
     client_id: str
@@ -84,6 +88,11 @@ class ComputeRequest:
     output_codec: str = "raw"
     output_compression: str = "none"
     auth: str = ""
+    #: how long the client waits for the answer, from sending it (s); 0 = no bound. The
+    #: server refuses work it cannot start in time (BUSY) instead of queueing it past this.
+    #: Not signed: changing it can only get the request refused or dropped, as dropping
+    #: it on the way would.
+    deadline_s: float = 0.0
 
     @property
     def payload_bytes(self) -> int:
@@ -99,6 +108,7 @@ class ComputeResponse:
     result_json: str = "{}"
     server_compute_s: float = 0.0
     server_total_s: float = 0.0
+    server_queue_s: float = 0.0      # waited for a compute slot (s), part of server_total_s
 
     @property
     def payload_bytes(self) -> int:

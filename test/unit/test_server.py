@@ -91,7 +91,7 @@ def test_concurrent_clients_get_their_own_results(server):
     results = [None] * len(inputs)
 
     def run(i):
-        results[i] = _compute(server, tensors=[codec.encode(inputs[i])])
+        results[i] = _compute(server, client_id=f"robot{i}", tensors=[codec.encode(inputs[i])])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
     for t in threads:

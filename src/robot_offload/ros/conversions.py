@@ -54,27 +54,29 @@ def compute_req_to_srv(r: ComputeRequest) -> ComputeSrvReq:
     return ComputeSrvReq(client_id=r.client_id, model=r.model, entry=r.entry, args_json=r.args_json,
                          session=r.session, tensors=[tensor_to_msg(t) for t in r.tensors],
                          output_codec=r.output_codec, output_compression=r.output_compression,
-                         auth=r.auth)
+                         auth=r.auth, deadline_s=r.deadline_s)
 
 
 def compute_req_from_srv(m) -> ComputeRequest:
     return ComputeRequest(client_id=m.client_id, model=m.model, entry=m.entry, args_json=m.args_json,
                           session=m.session, tensors=[tensor_from_msg(t) for t in m.tensors],
                           output_codec=m.output_codec, output_compression=m.output_compression,
-                          auth=m.auth)
+                          auth=m.auth, deadline_s=m.deadline_s)
 
 
 def compute_resp_to_srv(r: ComputeResponse) -> ComputeSrvResp:
     return ComputeSrvResp(status=_status(r), tensors=[tensor_to_msg(t) for t in r.tensors],
                           structure_json=r.structure_json, result_json=r.result_json,
-                          server_compute_s=r.server_compute_s, server_total_s=r.server_total_s)
+                          server_compute_s=r.server_compute_s, server_total_s=r.server_total_s,
+                          server_queue_s=r.server_queue_s)
 
 
 def compute_resp_from_srv(m) -> ComputeResponse:
     return ComputeResponse(status=m.status.code, status_text=m.status.text,
                            tensors=[tensor_from_msg(t) for t in m.tensors],
                            structure_json=m.structure_json, result_json=m.result_json,
-                           server_compute_s=m.server_compute_s, server_total_s=m.server_total_s)
+                           server_compute_s=m.server_compute_s, server_total_s=m.server_total_s,
+                           server_queue_s=m.server_queue_s)
 
 
 def ping_req_to_srv(r: PingRequest) -> PingSrvReq:

@@ -45,6 +45,11 @@ class Executor:
     #: False: the entry runs on tensors the client uploaded, not on a registry model
     #: (``loaded`` is None and the request's ``model`` field is ignored).
     NEEDS_MODEL = True
+    #: True: a request holds one of the server's compute slots while it runs, taken in the
+    #: clients' fair turn and refused BUSY when it cannot start before its deadline
+    #: (:mod:`robot_offload.server.scheduler`). Entries whose requests wait for one
+    #: another (``lop_part``) or that bound their clients themselves (``ops``) say False.
+    QUEUED = False
 
     def __init__(self, server):
         self.server = server

@@ -45,12 +45,19 @@ class ServerConfig:
     ops_sandbox: bool = True
     max_sandboxes: int = 8               # clients with operator sessions at once (a new one past it: BUSY)
     max_request_s: float = 60.0          # wall-clock bound of one ops request (s)
+    # Whole models and partition tails share compute slots fairly among clients and are
+    # refused BUSY when they cannot start before their client's deadline
+    # (robot_offload.server.scheduler).
+    compute_slots: int = 1               # requests computing at once
+    max_queued_per_client: int = 8       # requests of one client waiting for a slot
 
     def validate(self) -> "ServerConfig":
         if min(self.max_session_mib, self.max_sessions, self.max_sessions_per_client,
                self.max_client_mib) <= 0 or not self.session_idle_s > 0:
             raise ConfigError("max_session_mib, max_sessions, max_sessions_per_client, max_client_mib "
                               "and session_idle_s must be positive")
+        if self.compute_slots <= 0 or self.max_queued_per_client <= 0:
+            raise ConfigError("compute_slots and max_queued_per_client must be positive")
         if self.max_sandboxes <= 0 or not self.max_request_s > 0:
             raise ConfigError("max_sandboxes and max_request_s must be positive")
         if not (self.max_request_gflop > 0 and self.client_gflop_per_s > 0):

@@ -6,7 +6,9 @@ status code and a text, so one bad request cannot take the server down for every
 
 Order of a request: authentication (:mod:`robot_offload.auth`), well-formedness
 (:mod:`.request_check`), the per-client model lists, then ``compute`` dispatches on
-``entry`` to the server's own executor instance (:mod:`.executors`, one module each).
+``entry`` to the server's own executor instance (:mod:`.executors`, one module each);
+whole models and partition tails first wait for a compute slot in their client's fair
+turn (:mod:`.scheduler`).
 """
 
 import dataclasses
@@ -28,6 +30,7 @@ from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRe
 from robot_offload.server import executors, request_check
 from robot_offload.server.base import LoadedModel, RequestRejected
 from robot_offload.server.config import ServerConfig, resolve_device
+from robot_offload.server.scheduler import FairScheduler
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,9 @@ class OffloadServer:
         # client_id -> when its last request that passed authentication came (bounded,
         # least recent dropped)
         self._clients: "OrderedDict[str, float]" = OrderedDict()
+        self.scheduler = FairScheduler(self.config.compute_slots, self.config.max_queued_per_client,
+                                       max_wait_s=self.config.max_request_s,
+                                       max_clients=MAX_CLIENTS_TRACKED)
         self.executors = executors.build(self)
 
     # -- dispatch ---------------------------------------------------------------------
@@ -108,6 +114,7 @@ class OffloadServer:
                        "clients": sum(1 for t in self._clients.values() if now - t <= CLIENT_WINDOW_S),
                        "models": sorted(self._models), "device": str(self.device),
                        "server_id": self.server_id, "client_window_s": CLIENT_WINDOW_S}
+        figures["compute"] = self.scheduler.status()
         figures["executors"] = {entry: f for entry, f in
                                 ((entry, ex.status()) for entry, ex in self.executors.items()) if f}
         return figures
@@ -263,7 +270,13 @@ class OffloadServer:
                 loaded = self._models.get(req.model)
             if loaded is None:
                 raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
-        resp = run(loaded, req)
+        if run.QUEUED:
+            with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model),
+                                     req.deadline_s) as ticket:
+                resp = run(loaded, req)
+            resp.server_queue_s = ticket.waited_s
+        else:
+            resp = run(loaded, req)
         resp.server_total_s = time.perf_counter() - t0
         return resp
 

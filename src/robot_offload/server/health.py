@@ -2,7 +2,8 @@
 
 :class:`ServerHealth` turns :meth:`OffloadServer.activity` snapshots into a
 :class:`~robot_offload.health.Report`: clients, requests served and refused (in all and in
-the last ``window_s``), requests in flight, operator sandboxes or sessions, the device and
+the last ``window_s``), requests in flight, the compute slots and each recent client's
+share of them (served, refused, dropped, mean wait and compute), operator sandboxes or sessions, the device and
 its memory. Levels: WARN when, in the window, requests were refused as ``BUSY`` (a bound
 reached: sandboxes, sessions, compute budgets, GPU memory), failed inside the server
 (``INTERNAL``) or were refused for authentication or allow lists (``UNAUTHORIZED``: a
@@ -74,6 +75,14 @@ class ServerHealth:
             n = refused.get(name, 0) - base["refused"].get(name, 0)
             if n > 0:
                 r.flag(WARN, f"{n} request{'' if n == 1 else 's'} {why} in the {w}")
+        compute = activity.get("compute")
+        if compute:
+            r.add("compute slots busy", f"{compute['running']} of {compute['slots']}")
+            r.add("requests waiting for a slot", compute["queued"])
+            for client, f in compute["clients"].items():
+                r.add(f"client {client}", (
+                    f"{f['served']} served, {f['busy']} refused BUSY, {f['dropped']} dropped at their "
+                    f"deadline; wait {1e3 * f['mean_wait_s']:.1f} ms, compute {1e3 * f['mean_compute_s']:.1f} ms"))
         for entry, figures in sorted(activity.get("executors", {}).items()):
             self._executor(r, entry, figures, base.get("executors", {}).get(entry, {}), w)
         for key, value in (memory or {}).items():

@@ -8,7 +8,7 @@ tensor it is not asked to use):
 
 * the request is the method's protocol dataclass, its text fields are strings of at most
   :data:`MAX_TEXT_CHARS` characters;
-* compute: ``output_codec`` / ``output_compression`` are known; ``args_json`` is empty or
+* compute: ``deadline_s`` is a number in [0, :data:`~robot_offload.protocol.MAX_DEADLINE_S`]; ``output_codec`` / ``output_compression`` are known; ``args_json`` is empty or
   a JSON object of at most :data:`MAX_ARGS_JSON_CHARS` nesting at most
   :data:`MAX_ARGS_JSON_DEPTH` levels; at most :data:`MAX_TENSORS`
   tensors, each with a consistent header (:func:`robot_offload.codec.check_header`: types,
@@ -29,7 +29,7 @@ from robot_offload import codec
 from robot_offload.compat import MAX_VERSIONS_JSON_CHARS
 from robot_offload.codec import EncodedTensor
 from robot_offload.errors import CodecError, OffloadError
-from robot_offload.protocol import METHODS, StatusCode
+from robot_offload.protocol import MAX_DEADLINE_S, METHODS, StatusCode
 
 #: Longest client_id, model, entry, session, codec name, weights hash or token (characters).
 MAX_TEXT_CHARS = 1024
@@ -107,6 +107,10 @@ def _depth(value) -> int:
 
 
 def _check_compute(req, max_request_bytes: int) -> None:
+    deadline = req.deadline_s
+    if (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+            or not 0.0 <= deadline <= MAX_DEADLINE_S):
+        raise _bad(f"deadline_s must be a number of seconds in [0, {MAX_DEADLINE_S:g}], got {deadline!r}")
     if req.output_codec not in codec.CODECS:
         raise _bad(f"unknown output_codec {req.output_codec!r}; known: {list(codec.CODECS)}")
     if req.output_compression not in codec.COMPRESSIONS:

@@ -14,6 +14,9 @@ Every call has a deadline. A call that misses it raises
 :class:`~robot_offload.errors.ServerUnavailable`. Both are
 :class:`~robot_offload.errors.TransportError`, which callers answer by computing locally.
 
+A compute request carries the call's deadline to the server (``deadline_s``, set here),
+which answers BUSY at once rather than start work the caller will no longer wait for.
+
 Authentication lives here too, so that every backend (and every future one) gets it
 without doing anything: a transport given a secret (``auth_secret=`` or
 :meth:`Transport.set_auth_secret`) signs each request in :meth:`Transport.call` with a
@@ -22,6 +25,7 @@ fresh token (:mod:`robot_offload.auth`) just before it leaves.
 
 import abc
 import concurrent.futures
+import dataclasses
 import queue
 import sys
 import threading
@@ -30,7 +34,7 @@ from typing import Optional
 
 from robot_offload import auth
 from robot_offload.errors import ConfigError, OffloadTimeout
-from robot_offload.protocol import METHODS
+from robot_offload.protocol import MAX_DEADLINE_S, METHODS
 
 
 class Transport(abc.ABC):
@@ -62,6 +66,9 @@ class Transport(abc.ABC):
             raise ConfigError(f"unknown method {method!r}; known: {sorted(METHODS)}")
         if not timeout_s > 0:
             raise OffloadTimeout(f"{method}: no time left before the deadline")
+        if method == "compute":
+            # the server queues no work past the time this caller waits for it
+            request = dataclasses.replace(request, deadline_s=min(float(timeout_s), MAX_DEADLINE_S))
         if self._auth_secret is not None:
             request = auth.sign_request(self._auth_secret, method, request)
         return self._call(method, request, timeout_s)

@@ -12,6 +12,7 @@ from robot_offload.server.base import Executor, LoadedModel, RequestRejected
 
 class ForwardExecutor(Executor):
     ENTRY = "forward"
+    QUEUED = True
 
     def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
         server = self.server

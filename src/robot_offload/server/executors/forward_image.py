@@ -32,6 +32,7 @@ ENTRY = "forward_image"
 
 class ForwardImageExecutor(Executor):
     ENTRY = ENTRY
+    QUEUED = True
 
     def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
         server = self.server

@@ -220,6 +220,7 @@ def run_tail(server, loaded: LoadedModel, graph: ModelGraph, cut: Cut,
 
 class PartitionTailExecutor(Executor):
     ENTRY = ENTRY
+    QUEUED = True
 
     def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
         return partition_tail(self.server, loaded, req)

@@ -1,0 +1,235 @@
+"""The server's compute slots, shared fairly among clients and given only to work that
+can finish before its client stops waiting.
+
+The entries that run a registry model or its tail (``forward``, ``forward_image``,
+``partition_tail``: :attr:`~robot_offload.server.base.Executor.QUEUED`) take one of the
+server's ``compute_slots`` while they compute (1 by default: one model at a time makes
+the best use of one GPU, or of the CPU's threads).
+
+* **Fair order.** Waiting requests are served client by client in turn (round robin over
+  the clients that have one waiting). A robot that sends many requests at once, or simply
+  more often, waits behind its own requests; any other client's request waits behind at
+  most one of them per turn.
+* **Admission.** A compute request says how long its client waits for the answer
+  (``deadline_s``, set by the client's transport). Before queueing it, the scheduler
+  predicts its wait: the requests ahead of it in that order and what is computing now,
+  each at the running mean compute time of its entry and model. When that wait plus its
+  own expected time passes the deadline, the answer is ``BUSY`` at once, so the client
+  can send it to another server or compute it locally while there is still time.
+* **Dropping.** A request still waiting when its deadline passes is dropped (``BUSY``):
+  nobody waits for its answer any more, so it costs no compute. One that states no
+  deadline waits at most ``max_wait_s``.
+* **Bounds.** At most ``max_queued_per_client`` requests of one client wait at once (a
+  further one is BUSY), and per-client figures are kept for at most ``max_clients``
+  clients (least recently seen dropped).
+
+Clients are the identities authentication proved (:mod:`robot_offload.auth`): with
+per-client keys one robot cannot pose as several to get more turns; with a shared secret
+or none, the ids are as claimed.
+"""
+
+import threading
+import time
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, Optional, Tuple
+
+from robot_offload.protocol import StatusCode
+from robot_offload.server.base import RequestRejected
+
+#: weight of the newest compute time in an entry's running mean
+MEAN_WEIGHT = 0.2
+#: (entry, model) pairs whose mean compute time is kept (least recently used dropped)
+MAX_KEYS = 256
+#: clients listed by :meth:`FairScheduler.status` (the most recently seen)
+STATUS_CLIENTS = 16
+
+
+@dataclass(eq=False)
+class _Ticket:
+    client: str
+    key: Tuple[str, str]
+    expected_s: float
+    deadline_at: float
+    queued_at: float
+    granted: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+
+    @property
+    def waited_s(self) -> float:
+        return self.started_at - self.queued_at
+
+
+@dataclass
+class ClientFigures:
+    """What one client asked of the compute slots and what it got."""
+    requests: int = 0
+    served: int = 0
+    refused_busy: int = 0        # answered BUSY before queueing (admission, queue bound)
+    dropped: int = 0             # waited past its deadline
+    mean_wait_s: float = 0.0     # running mean of the queue wait of served requests
+    mean_compute_s: float = 0.0  # ... and of their compute time
+    seen_at: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "served": self.served, "busy": self.refused_busy,
+                "dropped": self.dropped, "mean_wait_s": round(self.mean_wait_s, 6),
+                "mean_compute_s": round(self.mean_compute_s, 6)}
+
+
+def _mean(old: float, new: float, first: bool) -> float:
+    return new if first else (1 - MEAN_WEIGHT) * old + MEAN_WEIGHT * new
+
+
+class FairScheduler:
+    def __init__(self, slots: int = 1, max_queued_per_client: int = 4, max_wait_s: float = 60.0,
+                 max_clients: int = 1024, clock: Callable[[], float] = time.monotonic):
+        if slots <= 0 or max_queued_per_client <= 0 or not max_wait_s > 0 or max_clients <= 0:
+            raise ValueError("slots, max_queued_per_client, max_wait_s and max_clients must be positive")
+        self.slots = slots
+        self.max_queued_per_client = max_queued_per_client
+        self.max_wait_s = max_wait_s
+        self.max_clients = max_clients
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._free = slots
+        # clients with waiting requests, in turn order (the next served is the first)
+        self._waiting: "OrderedDict[str, Deque[_Ticket]]" = OrderedDict()
+        self._running: Dict[int, _Ticket] = {}
+        self._mean_s: "OrderedDict[Tuple[str, str], float]" = OrderedDict()
+        self._clients: "OrderedDict[str, ClientFigures]" = OrderedDict()
+
+    # -- the one entry point ------------------------------------------------------------
+    @contextmanager
+    def slot(self, client: str, key: Tuple[str, str], deadline_s: float = 0.0):
+        """Hold a compute slot for the ``with`` body; yields the ticket (``waited_s``).
+        Raises RequestRejected (BUSY) when the request cannot start in time."""
+        ticket = self._admit(client, key, deadline_s)
+        self._wait(ticket)
+        try:
+            yield ticket
+        finally:
+            self._release(ticket)
+
+    # -- figures ------------------------------------------------------------------------
+    def expected_s(self, key: Tuple[str, str]) -> float:
+        """The running mean compute time of ``key`` (entry, model); 0 before its first."""
+        with self._lock:
+            return self._mean_s.get(key, 0.0)
+
+    def predicted_wait_s(self, client: str) -> float:
+        """How long a new request of ``client`` would wait for a slot now (s)."""
+        with self._lock:
+            return self._predicted_wait_locked(client)
+
+    def status(self) -> dict:
+        """Slots, queue and the most recently seen clients' figures (for the health
+        report and /diagnostics)."""
+        with self._lock:
+            recent = list(self._clients.items())[-STATUS_CLIENTS:]
+            return {"slots": self.slots, "running": len(self._running),
+                    "queued": sum(len(q) for q in self._waiting.values()),
+                    "clients": {c: f.as_dict() for c, f in reversed(recent)}}
+
+    def client_figures(self, client: str) -> Optional[dict]:
+        with self._lock:
+            f = self._clients.get(client)
+            return None if f is None else f.as_dict()
+
+    # -- internals ----------------------------------------------------------------------
+    def _figures(self, client: str) -> ClientFigures:
+        f = self._clients.get(client)
+        if f is None:
+            f = self._clients[client] = ClientFigures()
+            while len(self._clients) > self.max_clients:
+                self._clients.popitem(last=False)
+        self._clients.move_to_end(client)
+        f.seen_at = self.clock()
+        return f
+
+    def _predicted_wait_locked(self, client: str) -> float:
+        if self._free > 0 and not self._waiting:
+            return 0.0
+        own = self._waiting.get(client, ())
+        ahead = sum(t.expected_s for t in own)
+        for other, queue in self._waiting.items():
+            if other != client:
+                # round robin: as many of theirs as it has, and one more
+                ahead += sum(t.expected_s for i, t in enumerate(queue) if i <= len(own))
+        now = self.clock()
+        running = sum(max(0.0, t.started_at + t.expected_s - now) for t in self._running.values())
+        if self._free > 0:
+            running = 0.0
+        return (ahead + running) / self.slots
+
+    def _admit(self, client: str, key: Tuple[str, str], deadline_s: float) -> _Ticket:
+        now = self.clock()
+        with self._lock:
+            figures = self._figures(client)
+            figures.requests += 1
+            queued = len(self._waiting.get(client, ()))
+            if queued >= self.max_queued_per_client:
+                figures.refused_busy += 1
+                raise RequestRejected(StatusCode.BUSY, f"{queued} requests of this client are already "
+                                      f"waiting for a compute slot (max_queued_per_client)")
+            expected = self._mean_s.get(key, 0.0)
+            wait = self._predicted_wait_locked(client)
+            if deadline_s > 0 and wait + expected > deadline_s:
+                figures.refused_busy += 1
+                raise RequestRejected(StatusCode.BUSY, (
+                    f"server busy: about {wait:.3f} s of queued work before this request and "
+                    f"{expected:.3f} s of its own, past its deadline of {deadline_s:.3f} s"))
+            bound = deadline_s if deadline_s > 0 else self.max_wait_s
+            ticket = _Ticket(client, key, expected, now + bound, now)
+            self._waiting.setdefault(client, deque()).append(ticket)
+            self._dispatch_locked()
+        return ticket
+
+    def _wait(self, ticket: _Ticket) -> None:
+        while not ticket.granted.is_set():
+            left = ticket.deadline_at - self.clock()
+            if left > 0:
+                ticket.granted.wait(left)
+                continue
+            with self._lock:
+                if ticket.granted.is_set():
+                    break
+                queue = self._waiting.get(ticket.client)
+                if queue is not None and ticket in queue:
+                    queue.remove(ticket)
+                    if not queue:
+                        del self._waiting[ticket.client]
+                self._figures(ticket.client).dropped += 1
+            raise RequestRejected(StatusCode.BUSY, (
+                f"dropped after waiting {self.clock() - ticket.queued_at:.3f} s for a compute slot: "
+                "past the time its client waits"))
+
+    def _dispatch_locked(self) -> None:
+        while self._free > 0 and self._waiting:
+            client, queue = next(iter(self._waiting.items()))
+            ticket = queue.popleft()
+            if queue:
+                self._waiting.move_to_end(client)
+            else:
+                del self._waiting[client]
+            self._free -= 1
+            ticket.started_at = self.clock()
+            self._running[id(ticket)] = ticket
+            ticket.granted.set()
+
+    def _release(self, ticket: _Ticket) -> None:
+        compute_s = self.clock() - ticket.started_at
+        with self._lock:
+            self._running.pop(id(ticket), None)
+            self._free += 1
+            first = ticket.key not in self._mean_s
+            self._mean_s[ticket.key] = _mean(self._mean_s.get(ticket.key, 0.0), compute_s, first)
+            self._mean_s.move_to_end(ticket.key)
+            while len(self._mean_s) > MAX_KEYS:
+                self._mean_s.popitem(last=False)
+            figures = self._figures(ticket.client)
+            figures.served += 1
+            figures.mean_wait_s = _mean(figures.mean_wait_s, ticket.waited_s, figures.served == 1)
+            figures.mean_compute_s = _mean(figures.mean_compute_s, compute_s, figures.served == 1)
+            self._dispatch_locked()

@@ -1,0 +1,168 @@
+"""The server's compute slots: clients served in turn, work refused BUSY when it cannot
+start before its deadline, dropped when its deadline passes while it waits."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from robot_offload import codec
+from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode
+from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.server.base import RequestRejected
+from robot_offload.server.health import ServerHealth
+from robot_offload.server.scheduler import FairScheduler
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _hold(sched, client, key=("forward", "m"), deadline_s=0.0, started=None, release=None, order=None):
+    """A thread that takes a slot, notes its turn and holds the slot until ``release``."""
+    def run():
+        try:
+            with sched.slot(client, key, deadline_s):
+                if order is not None:
+                    order.append(client)
+                if started is not None:
+                    started.set()
+                if release is not None:
+                    release.wait(10)
+        except RequestRejected as e:
+            if order is not None:
+                order.append(f"{client}:{StatusCode(e.code).name}")
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _queued(sched, n, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while sched.status()["queued"] < n:
+        assert time.monotonic() < end, f"never {n} queued: {sched.status()}"
+        time.sleep(0.005)
+
+
+def test_waiting_clients_are_served_in_turn_not_in_arrival_order():
+    sched = FairScheduler(slots=1, max_queued_per_client=8)
+    release = threading.Event()
+    started = threading.Event()
+    order = []
+    holder = _hold(sched, "x", started=started, release=release, order=order)
+    assert started.wait(5)
+    order.clear()
+    # a greedy client queues four requests, then a modest one queues one
+    threads = []
+    for _ in range(4):
+        threads.append(_hold(sched, "greedy", order=order))
+        _queued(sched, len(threads))
+    threads.append(_hold(sched, "modest", order=order))
+    _queued(sched, 5)
+    release.set()
+    for t in threads + [holder]:
+        t.join(5)
+    # the modest client's one request goes second, not fifth
+    assert order == ["greedy", "modest", "greedy", "greedy", "greedy"]
+    figures = sched.status()["clients"]
+    assert figures["greedy"]["served"] == 4 and figures["modest"]["served"] == 1
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_busy_at_once():
+    clock = _Clock()
+    sched = FairScheduler(slots=1, clock=clock)
+    # teach it that this entry takes 0.5 s
+    with sched.slot("a", ("forward", "m"), 0.0):
+        clock.t += 0.5
+    assert sched.expected_s(("forward", "m")) == pytest.approx(0.5)
+    release, started = threading.Event(), threading.Event()
+    holder = _hold(sched, "a", started=started, release=release)
+    assert started.wait(5)
+    # 0.5 s of running work ahead and 0.5 s of its own: a 0.8 s deadline cannot be met
+    with pytest.raises(RequestRejected) as e:
+        with sched.slot("b", ("forward", "m"), 0.8):
+            pass
+    assert e.value.code == StatusCode.BUSY and "deadline" in e.value.text
+    assert sched.client_figures("b")["busy"] == 1
+    release.set()
+    holder.join(5)
+    # with the slot free the same request is admitted
+    with sched.slot("b", ("forward", "m"), 0.8) as ticket:
+        assert ticket.waited_s == 0.0
+
+
+def test_a_request_still_waiting_at_its_deadline_is_dropped_and_its_turn_passes():
+    sched = FairScheduler(slots=1)
+    release, started = threading.Event(), threading.Event()
+    holder = _hold(sched, "a", started=started, release=release)
+    assert started.wait(5)
+    t0 = time.monotonic()
+    with pytest.raises(RequestRejected) as e:
+        with sched.slot("b", ("forward", "m"), 0.2):
+            pass
+    assert e.value.code == StatusCode.BUSY and "dropped" in e.value.text
+    assert 0.15 <= time.monotonic() - t0 < 5.0
+    assert sched.status()["queued"] == 0 and sched.client_figures("b")["dropped"] == 1
+    release.set()
+    holder.join(5)
+    with sched.slot("c", ("forward", "m"), 1.0):
+        assert sched.status()["running"] == 1
+
+
+def test_one_client_may_queue_only_so_many_requests():
+    sched = FairScheduler(slots=1, max_queued_per_client=2)
+    release, started = threading.Event(), threading.Event()
+    holders = [_hold(sched, "a", started=started, release=release)]
+    assert started.wait(5)
+    order = []
+    holders += [_hold(sched, "a", order=order) for _ in range(2)]
+    _queued(sched, 2)
+    with pytest.raises(RequestRejected) as e:
+        with sched.slot("a", ("forward", "m")):
+            pass
+    assert e.value.code == StatusCode.BUSY and "max_queued_per_client" in e.value.text
+    holders.append(_hold(sched, "b", order=order))     # another client still queues
+    _queued(sched, 3)
+    release.set()
+    for t in holders:
+        t.join(5)
+    assert sorted(order) == ["a", "a", "b"] and order[1] == "b"
+
+
+def _forward_request(client, x, deadline_s=0.0):
+    return ComputeRequest(client_id=client, model="mobilenet_v2", entry="forward",
+                          tensors=[codec.encode(x, "input")], deadline_s=deadline_s)
+
+
+def test_the_server_answers_busy_fast_instead_of_queueing_past_the_deadline():
+    server = OffloadServer(ServerConfig(device="cpu"))
+    server.handle("load_model", LoadModelRequest(client_id="a", model="mobilenet_v2"))
+    x = torch.randn(1, 3, 64, 64)
+    ok = server.handle("compute", _forward_request("a", x, 5.0))
+    assert ok.status == StatusCode.OK and 0.0 <= ok.server_queue_s < 0.5
+    # hold the one slot, as a long request of another robot would
+    release, started = threading.Event(), threading.Event()
+    holder = _hold(server.scheduler, "other", key=("forward", "mobilenet_v2"), started=started, release=release)
+    assert started.wait(5)
+    t0 = time.monotonic()
+    busy = server.handle("compute", _forward_request("a", x, 0.05))
+    assert busy.status == StatusCode.BUSY
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    holder.join(5)
+    figures = server.activity()["compute"]
+    assert figures["clients"]["a"]["served"] == 1
+    assert figures["clients"]["a"]["busy"] + figures["clients"]["a"]["dropped"] == 1
+    report = dict(ServerHealth().report(server.activity()).values)
+    assert report["compute slots busy"] == "0 of 1"
+    assert report["client a"].startswith("1 served, ") and "dropped" in report["client a"]
+    # a deadline that is no number of seconds is refused before anything runs
+    for bad in (float("nan"), -1.0, 1e9, True):
+        resp = server.handle("compute", _forward_request("a", x, bad))
+        assert resp.status == StatusCode.BAD_REQUEST and "deadline_s" in resp.status_text
+    server.close()
