@@ -73,3 +73,17 @@ def test_pointcloud_preprocessing_is_voxelisation():
     assert spec.input_size_of(x) == spec.test_input_size
     image = get_spec("resnet18")
     assert image.input_size_of(image.example_input((48, 64))) == (48, 64)
+
+
+def test_models_built_in_two_threads_at_once_get_the_seeded_weights():
+    """Builds draw from torch's global generator: concurrent ones must not interleave."""
+    import threading
+    spec = get_spec("mobilenet_v2")
+    alone = weights_hash(spec.build())
+    hashes = []
+    threads = [threading.Thread(target=lambda: hashes.append(weights_hash(spec.build()))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert hashes == [alone] * 3

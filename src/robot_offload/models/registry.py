@@ -10,6 +10,7 @@ on every machine) unless a weights file is given; timings are real, labels meani
 """
 
 import hashlib
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -19,6 +20,9 @@ import torch
 from torch import nn
 
 from robot_offload.errors import ConfigError, UnknownModelError
+
+#: held while a model's seeded weights are drawn (ModelSpec.build)
+_BUILD_LOCK = threading.Lock()
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -51,8 +55,13 @@ class ModelSpec:
 
     def build(self, weights_path: Optional[str] = None) -> nn.Module:
         """Construct the model in eval mode on the CPU, with seeded random weights or the
-        weights from ``weights_path`` (a state dict file on this machine)."""
-        with torch.random.fork_rng(devices=[]):
+        weights from ``weights_path`` (a state dict file on this machine).
+
+        The constructors draw from torch's one global generator, so builds take turns
+        (:data:`_BUILD_LOCK`): two built at once in two threads (a server loading models
+        for two clients, a client reaching two servers) would interleave their draws and
+        get other weights than the same build alone, and a weights hash mismatch."""
+        with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = self.constructor()
         if weights_path:
