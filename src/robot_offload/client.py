@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -19,6 +19,7 @@ from robot_offload.errors import ConfigError, Incompatible, OffloadTimeout, Remo
 from robot_offload.link import ServerLink
 from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
+from robot_offload.pool import POLICIES, ServerDirectory, ServerPool
 from robot_offload.power import EnergyMeter
 from robot_offload.stats import FrameStats
 from robot_offload.transport.base import Transport
@@ -70,6 +71,13 @@ class ClientConfig:
     mode_control: str = "open"
     # the node around the client (offload_client)
     server_ns: str = "/offload_server"  # where the server's services are
+    # several servers (robot_offload.pool): "" = the one server at server_ns; else every
+    # offload server under this namespace, found through the ROS master
+    fleet_ns: str = ""
+    balance: str = "least_predicted_latency"  # round_robin | least_outstanding | least_predicted_latency
+    hedge: bool = True              # send a late call to a second server too; first answer wins
+    hedge_percentile: float = 95.0  # ... once it is later than this percentile of recent calls
+    hedge_budget: float = 0.1       # ... in at most this fraction of calls
     use_server: bool = True         # false: local only, no server connection attempted
     publish_outputs: bool = True    # publish InferenceResult on ~result
     result_codec: str = "raw"       # codec of the published outputs
@@ -106,6 +114,13 @@ class ClientConfig:
             if bad:
                 raise ConfigError(f"unknown {name} {bad}; known: {list(known)}")
         checks.ros_namespace("server_ns", self.server_ns)
+        if self.fleet_ns:
+            checks.ros_namespace("fleet_ns", self.fleet_ns)
+        if self.balance not in POLICIES:
+            raise ConfigError(f"unknown balance {self.balance!r}; known: {list(POLICIES)}")
+        checks.flag("hedge", self.hedge)
+        if not (0 < self.hedge_percentile <= 100 and 0 <= self.hedge_budget <= 1):
+            raise ConfigError("need 0 < hedge_percentile <= 100 and 0 <= hedge_budget <= 1")
         checks.flag("use_server", self.use_server)
         checks.flag("publish_outputs", self.publish_outputs)
         return self
@@ -114,9 +129,11 @@ class ClientConfig:
 class OffloadClient:
     """Runs frames through the backend of the current mode, with local fallback."""
 
-    def __init__(self, config: ClientConfig, transport: Optional[Transport],
+    def __init__(self, config: ClientConfig, transport: Union[Transport, ServerDirectory, None],
                  model: Optional[torch.nn.Module] = None):
-        """``model``: an already built instance of the registry model ``config.model`` (the
+        """``transport``: the one server's, or a :class:`~robot_offload.pool.ServerDirectory`
+        of several (balanced and hedged, :mod:`robot_offload.pool`), or None (local only).
+        ``model``: an already built instance of the registry model ``config.model`` (the
         application's own, e.g. for :mod:`robot_offload.lop`'s hook); by default the
         client builds it. Its weights hash must match the server's either way."""
         self.config = config.validate()
@@ -126,10 +143,14 @@ class OffloadClient:
         self.model = model if model is not None else self.spec.build(config.weights or None)
         self.weights_hash = weights_hash(self.model)
         self.link = None
-        if transport is not None:
-            self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash,
-                                   load_timeout_s=config.load_timeout_s,
-                                   retry_interval_s=config.retry_interval_s)
+        link_kw = dict(load_timeout_s=config.load_timeout_s, retry_interval_s=config.retry_interval_s)
+        if isinstance(transport, ServerDirectory):
+            self.link = ServerPool(transport, config.client_id, config.model, self.weights_hash,
+                                   balance=config.balance, hedge=config.hedge,
+                                   hedge_percentile=config.hedge_percentile,
+                                   hedge_budget=config.hedge_budget, **link_kw)
+        elif transport is not None:
+            self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash, **link_kw)
         self._ctx = backends.BackendContext(self.spec, self.model, self.link, config)
         self._backends = {}
         self._lock = threading.Lock()
@@ -233,6 +254,10 @@ class OffloadClient:
                     stats.fallback_reason += (f" (the frame's deadline, ~timeout_s = {self.config.timeout_s:g} s: "
                                               "raise it if the server or link is only slow)")
                 self.link.mark_down(stats.fallback_reason)
+        take_report = getattr(self.link, "take_frame_report", None)
+        pool_report = take_report() if take_report is not None else None
+        if pool_report:
+            stats.extra["pool"] = pool_report
         if outputs is None:
             if backend.needs_server:
                 self.fallbacks += 1

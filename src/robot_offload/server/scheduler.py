@@ -158,9 +158,10 @@ class FairScheduler:
                 # round robin: as many of theirs as it has, and one more
                 ahead += sum(t.expected_s for i, t in enumerate(queue) if i <= len(own))
         now = self.clock()
-        running = sum(max(0.0, t.started_at + t.expected_s - now) for t in self._running.values())
-        if self._free > 0:
-            running = 0.0
+        # what is left of the running requests: their expected time, and for one already
+        # past it as long again as it has run (it is slower than usual, by how much unknown)
+        running = 0.0 if self._free > 0 else sum(
+            max(t.expected_s - (now - t.started_at), now - t.started_at) for t in self._running.values())
         return (ahead + running) / self.slots
 
     def _admit(self, client: str, key: Tuple[str, str], deadline_s: float) -> _Ticket:

@@ -1,0 +1,445 @@
+"""Several offload servers behind one client: balanced, hedged against the slow one, and
+surviving the loss of any of them.
+
+A :class:`ServerPool` stands where a client's single :class:`~robot_offload.link.ServerLink`
+would (``ctx.link`` of every backend): it holds one link per server its
+:class:`ServerDirectory` lists (in a robot's node, the offload servers the ROS master
+knows under one namespace, looked up again every ``rediscover_s``), each with its own
+transport, model load, version check and reconnect prober.
+
+* **Stateless work is balanced per call.** A whole model or a partition tail
+  (:data:`BALANCED_ENTRIES`) can run on any server that has the model, so each call goes
+  to the server the ``balance`` policy picks among those up: ``round_robin``,
+  ``least_outstanding`` (fewest of this client's calls in flight) or
+  ``least_predicted_latency`` (the default: this client's recent round trips to that
+  server, plus the calls it has in flight there at the server's recent compute time; a
+  server not used for ``explore_after_s`` is tried again). A server that answers BUSY or
+  fails is skipped for the rest of the call, which goes on to the next one while the
+  frame's deadline allows; one that fails is marked down (its prober brings it back).
+* **Hedging.** When a balanced call has not answered after the ``hedge_percentile`` of
+  this client's recent round trips to the fastest server, the same request goes to a second
+  server and the first answer wins. The loser is abandoned: the client stops waiting,
+  and the server drops it unstarted once its deadline passes (``deadline_s``,
+  :mod:`robot_offload.server.scheduler`). Hedges are at most ``hedge_budget`` of the
+  calls (over the last :data:`BUDGET_WINDOW`); their count, wins and extra bytes are in
+  :meth:`ServerPool.figures` and each frame's ``stats.extra["pool"]``.
+* **Stateful work stays put.** Operator sessions (``transparent``, ``record_replay``),
+  ``lop``'s paired requests and anything else sent through :attr:`ServerPool.transport`
+  go to one *home* server, kept while it is up. When it is lost, the next call moves the
+  home to the best server up; the backend's session fails once there (its handles are
+  unknown), that frame is computed locally, and the session is rebuilt on the new home.
+
+No rospy here: the directory is given (:func:`robot_offload.ros.fleet.master_directory`
+for a ROS master; a fixed list in tests).
+"""
+
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from robot_offload.errors import OffloadTimeout, RemoteError, ServerUnavailable, TransportError
+from robot_offload.link import ServerLink
+from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
+from robot_offload.transport.base import Transport, shutdown_now
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("least_predicted_latency", "least_outstanding", "round_robin")
+#: compute entries any server with the model answers alike: balanced and hedged per call
+BALANCED_ENTRIES = frozenset({"forward", "forward_image", "partition_tail"})
+#: refusals after which a call tries another server (the request itself is fine)
+_RETRY_CODES = frozenset({StatusCode.BUSY, StatusCode.INTERNAL, StatusCode.MODEL_NOT_LOADED})
+#: calls over which the hedge budget is counted
+BUDGET_WINDOW = 200
+#: round trips kept per server, for the hedge delay
+LATENCY_WINDOW = 64
+#: round trips of a server needed before hedging uses its percentile
+MIN_SAMPLES = 8
+#: weight of the newest round trip in a server's running mean
+MEAN_WEIGHT = 0.3
+
+
+@dataclass
+class ServerDirectory:
+    """Where a client finds its servers: ``names()`` lists them now (unique names, e.g.
+    ROS namespaces), ``connect(name)`` opens a transport to one."""
+    names: Callable[[], Sequence[str]]
+    connect: Callable[[str], Transport]
+
+
+class _Member:
+    def __init__(self, name: str, link: ServerLink):
+        self.name = name
+        self.link = link
+        self.outstanding = 0
+        self.mean_s = 0.0            # running mean round trip of this client's calls (s)
+        self.compute_s = 0.0         # ... and of the server's time in them (s)
+        self.calls = 0
+        self.last_used = 0.0
+        self.skip_until = 0.0        # answered BUSY: not picked before this
+        self.started: Dict[int, float] = {}   # calls in flight -> when they left
+        self.window = collections.deque(maxlen=LATENCY_WINDOW)   # recent round trips (s)
+
+    def record(self, round_trip_s: float, server_s: float, now: float) -> None:
+        first = self.calls == 0
+        self.calls += 1
+        self.mean_s = round_trip_s if first else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * round_trip_s
+        self.compute_s = server_s if first else (1 - MEAN_WEIGHT) * self.compute_s + MEAN_WEIGHT * server_s
+        self.last_used = now
+        self.window.append(round_trip_s)
+
+
+class _NoServer(Transport):
+    """The home transport while no server is up: every call fails at once."""
+
+    def __init__(self, why: str):
+        super().__init__(max_parallel_calls=1)
+        self.why = why
+
+    def _call(self, method, request, timeout_s):
+        raise ServerUnavailable(self.why)
+
+
+class ServerPool:
+    def __init__(self, directory: ServerDirectory, client_id: str, model: str, weights_hash: str,
+                 balance: str = "least_predicted_latency", hedge: bool = True,
+                 hedge_percentile: float = 95.0, hedge_budget: float = 0.1,
+                 rediscover_s: float = 2.0, explore_after_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, **link_kw):
+        if balance not in POLICIES:
+            raise ValueError(f"unknown balance {balance!r}; known: {list(POLICIES)}")
+        self.directory = directory
+        self.client_id = client_id
+        self.model = model
+        self.weights_hash = weights_hash
+        self.balance = balance
+        self.hedge = hedge
+        self.hedge_percentile = hedge_percentile
+        self.hedge_budget = hedge_budget
+        self.rediscover_s = rediscover_s
+        self.explore_after_s = explore_after_s
+        self.clock = clock
+        self._link_kw = link_kw
+        self._lock = threading.Lock()
+        self._members: Dict[str, _Member] = {}
+        self._home: Optional[_Member] = None
+        self._rr = itertools.count()
+        self._budget = collections.deque(maxlen=BUDGET_WINDOW)   # True: that call hedged
+        self._figures = collections.Counter()
+        self._tls = threading.local()
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pool-call")
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+        self.last_error = "no offload server found yet"
+        self.listeners: List[Callable[[str], None]] = []
+
+    # -- the link's surface, for backends and the client ---------------------------------
+    @property
+    def available(self) -> bool:
+        return any(m.link.available for m in self._snapshot())
+
+    @property
+    def state(self) -> str:
+        members = self._snapshot()
+        if not members:
+            return "connecting"
+        up = sum(1 for m in members if m.link.available)
+        if up:
+            return "up"
+        return "connecting" if all(m.link.state == "connecting" for m in members) else "down"
+
+    @property
+    def home(self) -> Optional[_Member]:
+        """The server stateful work goes to: kept while it is up, else the best one up."""
+        with self._lock:
+            home = self._home
+            if home is not None and home.link.available and home.name in self._members:
+                return home
+            up = [m for m in self._members.values() if m.link.available]
+            if not up:
+                return home if home is not None and home.name in self._members else None
+            new = min(up, key=lambda m: (self._predicted_locked(m), m.name))
+            if home is not None and new is not home:
+                log.warning("sessions and plans move from offload server %s to %s", home.name, new.name)
+            self._home = new
+            return new
+
+    @property
+    def transport(self) -> Transport:
+        home = self.home
+        return home.link.transport if home is not None else _NoServer(self.last_error)
+
+    def _home_attr(self, name: str, default):
+        home = self.home
+        return getattr(home.link, name) if home is not None else default
+
+    server_id = property(lambda self: self._home_attr("server_id", ""))
+    device = property(lambda self: self._home_attr("device", ""))
+    refused_ops = property(lambda self: self._home_attr("refused_ops", {}))
+    server_versions = property(lambda self: self._home_attr("server_versions", None))
+
+    def connect(self, timeout_s: Optional[float] = None) -> bool:
+        """Look the servers up, connect to each (in parallel) and keep looking them up in
+        the background; True when at least one is up."""
+        self.refresh(connect_timeout_s=timeout_s)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="pool-directory", daemon=True)
+            self._watcher.start()
+        return self.available
+
+    def compute(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
+        """One compute call within ``timeout_s``: balanced and hedged for
+        :data:`BALANCED_ENTRIES`, else on the home server."""
+        if request.entry not in BALANCED_ENTRIES:
+            home = self.home
+            if home is None:
+                raise ServerUnavailable(f"no offload server available: {self.last_error}")
+            self._frame_report()["servers"].append(home.name)
+            return self._timed(home, request, timeout_s)
+        return self._balanced(request, timeout_s)
+
+    def mark_down(self, reason: str) -> None:
+        """A frame failed. A balanced call already marked the servers that failed it;
+        otherwise the failure was the home server's (a session or a paired call)."""
+        self.last_error = reason
+        if getattr(self._tls, "blamed", False):
+            self._tls.blamed = False
+            return
+        home = self.home
+        if home is not None:
+            home.link.mark_down(reason)
+            with self._lock:
+                if self._home is home:
+                    self._home = None
+
+    def take_frame_report(self) -> Optional[dict]:
+        """What the pool did for this thread's frame since the last call (servers used,
+        hedges, failovers), and start a new one."""
+        report = getattr(self._tls, "report", None)
+        self._tls.report = None
+        self._tls.blamed = False
+        return report
+
+    def figures(self) -> dict:
+        """Calls, hedges (sent, won), extra bytes up, failovers, and per server: calls,
+        mean round trip, state."""
+        with self._lock:
+            out = dict(self._figures)
+            out["servers"] = {m.name: {"calls": m.calls, "mean_s": round(m.mean_s, 6),
+                                       "state": m.link.state, "outstanding": m.outstanding}
+                              for m in self._members.values()}
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+        shutdown_now(self._calls)
+        with self._lock:
+            members, self._members = list(self._members.values()), {}
+        for m in members:
+            self._drop(m)
+
+    # -- directory -------------------------------------------------------------------------
+    def refresh(self, connect_timeout_s: Optional[float] = None) -> None:
+        """Add the servers the directory lists now and drop those it no longer does."""
+        try:
+            names = list(dict.fromkeys(self.directory.names()))
+        except Exception as e:  # noqa: BLE001 - a master that does not answer: keep what we have
+            self.last_error = f"server directory: {type(e).__name__}: {e}"
+            log.warning("cannot list offload servers: %s", e)
+            return
+        new = []
+        with self._lock:
+            gone = [m for n, m in self._members.items() if n not in names]
+            for m in gone:
+                del self._members[m.name]
+            for name in names:
+                if name not in self._members:
+                    link = ServerLink(self.directory.connect(name), self.client_id, self.model,
+                                      self.weights_hash, clock=self.clock, **self._link_kw)
+                    self._members[name] = m = _Member(name, link)
+                    new.append(m)
+        for m in gone:
+            log.warning("offload server %s left", m.name)
+            self._drop(m)
+        if not names:
+            self.last_error = "no offload server found"
+        threads = [threading.Thread(target=self._join, args=(m, connect_timeout_s), daemon=True) for m in new]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _join(self, member: _Member, timeout_s: Optional[float]) -> None:
+        if member.link.connect(timeout_s):
+            log.info("offload server %s joined (%s)", member.name, member.link.device)
+        else:
+            self.last_error = f"{member.name}: {member.link.last_error}"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.rediscover_s):
+            self.refresh()
+
+    @staticmethod
+    def _drop(member: _Member) -> None:
+        member.link.close()
+        member.link.transport.close()
+
+    def _snapshot(self) -> List[_Member]:
+        with self._lock:
+            return list(self._members.values())
+
+    # -- balancing and hedging ---------------------------------------------------------------
+    def _predicted_locked(self, m: _Member) -> float:
+        now = self.clock()
+        oldest = now - min(m.started.values()) if m.started else 0.0
+        if not m.started and (m.calls == 0 or now - m.last_used > self.explore_after_s):
+            return 0.0                       # never or long not tried: try it
+        # a call in flight longer than the mean says more about the server than the mean
+        return max(m.mean_s, oldest) + m.outstanding * m.compute_s
+
+    def _pick(self, exclude=()) -> Optional[_Member]:
+        now = self.clock()
+        with self._lock:
+            up = [m for m in self._members.values()
+                  if m.link.available and m not in exclude and m.skip_until <= now]
+            if not up:
+                return None
+            up.sort(key=lambda m: m.name)
+            if self.balance == "round_robin":
+                return up[next(self._rr) % len(up)]
+            if self.balance == "least_outstanding":
+                return min(up, key=lambda m: (m.outstanding, m.last_used))
+            return min(up, key=lambda m: (self._predicted_locked(m), m.outstanding, m.last_used))
+
+    def _hedge_delay_s(self) -> Optional[float]:
+        """When a call is late enough to hedge: the ``hedge_percentile`` of the recent round
+        trips of the server that answers fastest (a slow server's own percentile would
+        only say its calls are always late); None when hedging is off, unmeasured or past
+        its budget."""
+        if not self.hedge:
+            return None
+        with self._lock:
+            if sum(self._budget) + 1 > self.hedge_budget * max(len(self._budget), 1):
+                return None
+            windows = [sorted(m.window) for m in self._members.values()
+                       if m.link.available and len(m.window) >= MIN_SAMPLES]
+        if not windows:
+            return None
+        q = self.hedge_percentile / 100.0
+        return min(w[min(len(w) - 1, int(round(q * (len(w) - 1))))] for w in windows)
+
+    def _frame_report(self) -> dict:
+        report = getattr(self._tls, "report", None)
+        if report is None:
+            report = self._tls.report = {"servers": [], "hedged": 0, "hedge_won": 0,
+                                         "hedge_bytes_up": 0, "failovers": 0}
+        return report
+
+    def _timed(self, member: _Member, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
+        token = object()
+        t0 = self.clock()
+        with self._lock:
+            member.outstanding += 1
+            member.started[id(token)] = t0
+        try:
+            response = member.link.compute(request, timeout_s)
+        finally:
+            with self._lock:
+                member.outstanding -= 1
+                member.started.pop(id(token), None)
+        now = self.clock()
+        with self._lock:
+            member.record(now - t0, response.server_total_s or response.server_compute_s, now)
+        return response
+
+    def _failed(self, member: _Member, error: Exception) -> bool:
+        """Note a failed call on ``member``; True when another server may answer it."""
+        if isinstance(error, RemoteError) and error.code not in _RETRY_CODES:
+            return False                          # the request's own fault: the same anywhere
+        if isinstance(error, RemoteError) and error.code == StatusCode.BUSY:
+            with self._lock:
+                member.skip_until = self.clock() + max(member.compute_s, 0.05)
+        else:
+            member.link.mark_down(f"{member.name}: {type(error).__name__}: {error}")
+        self._tls.blamed = True
+        return True
+
+    def _balanced(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
+        deadline = self.clock() + timeout_s
+        report = self._frame_report()
+        tried: List[_Member] = []
+        running: Dict[concurrent.futures.Future, _Member] = {}
+        last_error: Optional[Exception] = None
+        hedge_at = None
+        hedged = sent_hedge = False
+
+        def start(member):
+            tried.append(member)
+            report["servers"].append(member.name)
+            running[self._calls.submit(self._timed, member, request, deadline - self.clock())] = member
+
+        first = self._pick()
+        if first is None:
+            raise ServerUnavailable(f"no offload server available: {self.last_error}")
+        start(first)
+        delay = self._hedge_delay_s()
+        if delay is not None:
+            hedge_at = self.clock() + delay
+        try:
+            while running:
+                now = self.clock()
+                if now >= deadline:
+                    break
+                wake = deadline if hedge_at is None or hedged else min(deadline, hedge_at)
+                done, _ = concurrent.futures.wait(list(running), timeout=max(0.0, wake - now),
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in done:
+                    member = running.pop(fut)
+                    try:
+                        response = fut.result()
+                    except (TransportError, RemoteError) as e:
+                        last_error = e
+                        if not self._failed(member, e):
+                            raise
+                        if not running:      # fail over while the deadline allows
+                            nxt = self._pick(exclude=tried)
+                            if nxt is not None and deadline - self.clock() > 0:
+                                report["failovers"] += 1
+                                with self._lock:
+                                    self._figures["failovers"] += 1
+                                start(nxt)
+                        continue
+                    if hedged and member is not first:
+                        report["hedge_won"] += 1
+                        with self._lock:
+                            self._figures["hedges_won"] += 1
+                    return response
+                if not hedged and hedge_at is not None and self.clock() >= hedge_at and running:
+                    hedged = True
+                    second = self._pick(exclude=tried)
+                    if second is not None:
+                        sent_hedge = True
+                        report["hedged"] += 1
+                        report["hedge_bytes_up"] += request.payload_bytes
+                        with self._lock:
+                            self._figures["hedges"] += 1
+                            self._figures["hedge_bytes_up"] += request.payload_bytes
+                        start(second)
+        finally:
+            with self._lock:
+                self._figures["calls"] += 1
+                self._budget.append(sent_hedge)
+        if last_error is not None and not running:
+            raise last_error
+        for member in running.values():       # abandoned at the deadline: they missed it
+            member.link.mark_down(f"{member.name}: no answer within {timeout_s:.3f} s")
+        self._tls.blamed = True
+        raise OffloadTimeout(f"no offload server answered within {timeout_s:.3f} s "
+                             f"(tried {', '.join(m.name for m in tried)})")

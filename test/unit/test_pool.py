@@ -1,0 +1,182 @@
+"""Several servers behind one client (robot_offload.pool), in process: calls balanced,
+late calls hedged, a lost server survived -- every output still the local model's."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.errors import OffloadTimeout, ServerUnavailable
+from robot_offload.pool import ServerDirectory
+from robot_offload.server import OffloadServer, ServerConfig
+from robot_offload.transport.inproc import InProcessTransport
+
+MODEL = "mobilenet_v2"
+SIZE = [64, 64]
+
+
+class _Server(InProcessTransport):
+    """An in-process server that can be slowed down or killed."""
+
+    def __init__(self, server):
+        super().__init__(server)
+        self.delay_s = 0.0
+        self.dead = False
+        self.computes = 0
+
+    def _call(self, method, request, timeout_s):
+        if self.dead:
+            raise ServerUnavailable("killed")
+        if method == "compute":
+            self.computes += 1
+            if self.delay_s:
+                time.sleep(min(self.delay_s, timeout_s))
+                if self.delay_s >= timeout_s:
+                    raise OffloadTimeout("slowed past the deadline")
+                timeout_s -= self.delay_s
+        return super()._call(method, request, timeout_s)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    made = {name: OffloadServer(ServerConfig(device="cpu", ops_sandbox=False)) for name in ("/a", "/b")}
+    yield made
+    for s in made.values():
+        s.close()
+
+
+def _fleet(servers, names=("/a", "/b"), **config):
+    transports = {}
+
+    def connect(name):
+        transports[name] = _Server(servers[name])
+        return transports[name]
+
+    cfg = ClientConfig(model=MODEL, input_size=SIZE, timeout_s=5.0, **config)
+    client = OffloadClient(cfg, ServerDirectory(lambda: list(names), connect))
+    assert client.connect(30.0)
+    return client, transports
+
+
+def _frames(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def _local(client, frame):
+    with torch.inference_mode():
+        return client.model(client.preprocess(frame))
+
+
+def test_round_robin_spreads_calls_over_every_server_with_the_local_outputs(servers):
+    client, transports = _fleet(servers, mode="full_offload", balance="round_robin", hedge=False)
+    try:
+        for frame in _frames(8):
+            y, stats = client.process(frame)
+            assert stats.executed_mode == "full_offload", stats.fallback_reason
+            torch.testing.assert_close(y, _local(client, frame))
+            assert len(stats.extra["pool"]["servers"]) == 1
+        assert transports["/a"].computes == 4 and transports["/b"].computes == 4
+        assert client.link.state == "up"
+    finally:
+        client.close()
+
+
+def test_least_predicted_latency_sends_most_calls_to_the_fast_server(servers):
+    client, transports = _fleet(servers, mode="full_offload", hedge=False)
+    transports["/b"].delay_s = 0.3
+    try:
+        for frame in _frames(12):
+            y, stats = client.process(frame)
+            torch.testing.assert_close(y, _local(client, frame))
+        assert transports["/a"].computes >= 10, client.link.figures()
+    finally:
+        client.close()
+
+
+def _latencies(client, frames, gap_s=0.05):
+    out = []
+    for frame in frames:
+        y, stats = client.process(frame)
+        assert stats.executed_mode == "full_offload", stats.fallback_reason
+        torch.testing.assert_close(y, _local(client, frame))
+        out.append(stats.processing_s)
+        time.sleep(gap_s)
+    return out
+
+
+@pytest.mark.parametrize("hedge", [True, False])
+def test_a_call_to_a_slow_server_is_hedged_and_the_first_answer_wins(servers, hedge):
+    client, transports = _fleet(servers, mode="full_offload", hedge=hedge, hedge_budget=0.5)
+    client.link.explore_after_s = 0.3          # try the slow server again often
+    try:
+        _latencies(client, _frames(10, seed=1), gap_s=0.0)      # measure both
+        transports["/b"].delay_s = 1.5
+        latencies = _latencies(client, _frames(24, seed=2))
+        figures = client.link.figures()
+        slow_calls = transports["/b"].computes
+        if hedge:
+            assert figures.get("hedges", 0) >= 1 and figures.get("hedges_won", 0) >= 1, figures
+            assert figures["hedges"] <= 0.5 * figures["calls"] + 1
+            assert max(latencies) < 1.2, (latencies, figures)
+            assert figures["hedge_bytes_up"] > 0
+        else:
+            # the same run without hedging waits for the slow server whenever it tries it
+            assert slow_calls >= 1 and max(latencies) >= 1.4, (latencies, figures)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("mode", ["full_offload", "layer_partition", "record_replay"])
+def test_a_killed_server_is_survived_on_the_other_with_the_local_outputs(servers, mode):
+    client, transports = _fleet(servers, mode=mode, hedge=False)
+    try:
+        frames = _frames(14, seed=3)
+        for frame in frames[:5]:
+            y, stats = client.process(frame)
+            torch.testing.assert_close(y, _local(client, frame), rtol=1e-4, atol=1e-4)
+        home = client.link.home.name if mode == "record_replay" else "/a"
+        transports[home].dead = True
+        after = []
+        for frame in frames[5:]:
+            y, stats = client.process(frame)
+            torch.testing.assert_close(y, _local(client, frame), rtol=1e-4, atol=1e-4)
+            assert stats.processing_s < client.config.timeout_s + 2.0
+            after.append(stats.executed_mode)
+        # at most one frame computed locally while the session moved; the rest offloaded
+        assert after.count(mode) >= len(after) - 1, after
+        if mode == "record_replay":
+            assert client.link.home.name != home
+            assert stats.phase == "replaying", stats.phase
+    finally:
+        client.close()
+
+
+def test_a_busy_server_sends_the_call_to_the_other(servers):
+    client, transports = _fleet(servers, mode="full_offload", balance="round_robin", hedge=False)
+    try:
+        client.process(_frames(1)[0])
+        # /a's one compute slot is taken by another robot's long request
+        import threading
+        release, started = threading.Event(), threading.Event()
+
+        def hold():
+            with servers["/a"].scheduler.slot("other robot", ("forward_image", MODEL)):
+                started.set()
+                release.wait(10)
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        assert started.wait(5)
+        time.sleep(0.6)       # it has run longer than the client will wait
+        client.config.timeout_s = 0.5
+        for frame in _frames(4, seed=4):
+            y, stats = client.process(frame)
+            assert stats.executed_mode == "full_offload", stats.fallback_reason
+            torch.testing.assert_close(y, _local(client, frame))
+        release.set()
+        holder.join(5)
+        assert client.link.figures().get("failovers", 0) >= 1
+    finally:
+        client.close()
