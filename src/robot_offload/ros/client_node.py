@@ -25,6 +25,7 @@ from robot_offload.msg import (BandwidthEstimate, InferenceResult, InferenceStat
                                RobotActivity, Status)
 from robot_offload.ros import conversions as conv, logbridge
 from robot_offload.ros.diagnostics import NodeDiagnostics
+from robot_offload.ros.fleet import master_directory
 from robot_offload.ros.params import load_auth_secret, load_params
 from robot_offload.ros.transport import RosServiceTransport
 from robot_offload.srv import SetMode, SetModeResponse
@@ -34,11 +35,14 @@ class OffloadClientNode:
     def __init__(self):
         logbridge.install()
         self.config = load_params(ClientConfig)
-        self.server_ns = self.config.server_ns
+        self.server_ns = self.config.fleet_ns or self.config.server_ns
         self.publish_outputs = self.config.publish_outputs
         self.result_codec = self.config.result_codec
-        transport = (RosServiceTransport(self.server_ns, auth_secret=load_auth_secret())
-                     if self.config.use_server else None)
+        transport = None
+        if self.config.use_server and self.config.fleet_ns:
+            transport = master_directory(self.config.fleet_ns, load_auth_secret())
+        elif self.config.use_server:
+            transport = RosServiceTransport(self.server_ns, auth_secret=load_auth_secret())
         self.client = OffloadClient(self.config, transport)
         self.mode_control = ModeControl(self.config.mode_control, self.client.mode)
         self._mode_param = rospy.resolve_name("~mode")
