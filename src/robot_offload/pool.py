@@ -54,6 +54,8 @@ POLICIES = ("least_predicted_latency", "least_outstanding", "round_robin")
 BALANCED_ENTRIES = frozenset({"forward", "forward_image", "partition_tail"})
 #: refusals after which a call tries another server (the request itself is fine)
 _RETRY_CODES = frozenset({StatusCode.BUSY, StatusCode.INTERNAL, StatusCode.MODEL_NOT_LOADED})
+#: a server that answered BUSY is not picked for at least this long (s)
+BUSY_SKIP_S = 0.2
 #: calls over which the hedge budget is counted
 BUDGET_WINDOW = 200
 #: round trips kept per server, for the hedge delay
@@ -365,7 +367,7 @@ class ServerPool:
             return False                          # the request's own fault: the same anywhere
         if isinstance(error, RemoteError) and error.code == StatusCode.BUSY:
             with self._lock:
-                member.skip_until = self.clock() + max(member.compute_s, 0.05)
+                member.skip_until = self.clock() + max(member.compute_s, BUSY_SKIP_S)
         else:
             member.link.mark_down(f"{member.name}: {type(error).__name__}: {error}")
         self._tls.blamed = True
@@ -416,7 +418,7 @@ class ServerPool:
                                     self._figures["failovers"] += 1
                                 start(nxt)
                         continue
-                    if hedged and member is not first:
+                    if sent_hedge and member is not first:
                         report["hedge_won"] += 1
                         with self._lock:
                             self._figures["hedges_won"] += 1

@@ -166,3 +166,16 @@ def test_the_server_answers_busy_fast_instead_of_queueing_past_the_deadline():
         resp = server.handle("compute", _forward_request("a", x, bad))
         assert resp.status == StatusCode.BAD_REQUEST and "deadline_s" in resp.status_text
     server.close()
+
+
+def test_an_idle_server_always_tries_and_one_slow_first_run_is_soon_forgotten():
+    """A slow first request (cold caches) must not get every later one refused."""
+    clock = _Clock()
+    sched = FairScheduler(slots=1, clock=clock)
+    with sched.slot("a", ("forward", "m"), 0.0):
+        clock.t += 3.0                       # the first run: 3 s
+    for _ in range(5):
+        with sched.slot("a", ("forward", "m"), 1.0):   # idle: admitted despite 3 s expected
+            clock.t += 0.1
+    assert sched.expected_s(("forward", "m")) == pytest.approx(0.1)
+    assert sched.client_figures("a")["busy"] == 0

@@ -1,6 +1,7 @@
 """Benchmark command line: ``rosrun robot_offload bench [--quick]`` (as root for the
 shaped testbed; otherwise loopback, unshaped, and the report says so).
 
+    --fleet R:S  R robots and S servers sharing them (robot_offload.bench.fleet; --help there)
     --quick   resnet18 + agrnav (64x64x32), local vs full_offload, const:50 and outdoor, 6 frames
               (under 3 minutes on the 2-core CI machine)
     (full)    resnet101, vgg19, kapao_l (640 px), agrnav; local vs full_offload;
@@ -25,6 +26,9 @@ QUICK = dict(models=["resnet18", "agrnav"], modes=["local", "full_offload"],
 
 
 def main(argv=None):
+    if any(a == "--fleet" or a.startswith("--fleet=") for a in (sys.argv[1:] if argv is None else argv)):
+        from robot_offload.bench import fleet
+        return fleet.main(argv)
     ap = argparse.ArgumentParser(prog="bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")

@@ -13,9 +13,10 @@ the best use of one GPU, or of the CPU's threads).
 * **Admission.** A compute request says how long its client waits for the answer
   (``deadline_s``, set by the client's transport). Before queueing it, the scheduler
   predicts its wait: the requests ahead of it in that order and what is computing now,
-  each at the running mean compute time of its entry and model. When that wait plus its
-  own expected time passes the deadline, the answer is ``BUSY`` at once, so the client
-  can send it to another server or compute it locally while there is still time.
+  each at the median of the recent compute times of its entry and model. When there is a
+  wait and it plus the request's own expected time passes the deadline, the answer is
+  ``BUSY`` at once, so the client can send it to another server or compute it locally
+  while there is still time. A server with a free slot and nobody waiting always tries.
 * **Dropping.** A request still waiting when its deadline passes is dropped (``BUSY``):
   nobody waits for its answer any more, so it costs no compute. One that states no
   deadline waits at most ``max_wait_s``.
@@ -40,7 +41,9 @@ from robot_offload.server.base import RequestRejected
 
 #: weight of the newest compute time in an entry's running mean
 MEAN_WEIGHT = 0.2
-#: (entry, model) pairs whose mean compute time is kept (least recently used dropped)
+#: compute times kept per (entry, model), for the expected time of the next
+RECENT = 9
+#: (entry, model) pairs whose compute times are kept (least recently used dropped)
 MAX_KEYS = 256
 #: clients listed by :meth:`FairScheduler.status` (the most recently seen)
 STATUS_CLIENTS = 16
@@ -97,7 +100,7 @@ class FairScheduler:
         # clients with waiting requests, in turn order (the next served is the first)
         self._waiting: "OrderedDict[str, Deque[_Ticket]]" = OrderedDict()
         self._running: Dict[int, _Ticket] = {}
-        self._mean_s: "OrderedDict[Tuple[str, str], float]" = OrderedDict()
+        self._recent: "OrderedDict[Tuple[str, str], Deque[float]]" = OrderedDict()
         self._clients: "OrderedDict[str, ClientFigures]" = OrderedDict()
 
     # -- the one entry point ------------------------------------------------------------
@@ -114,9 +117,17 @@ class FairScheduler:
 
     # -- figures ------------------------------------------------------------------------
     def expected_s(self, key: Tuple[str, str]) -> float:
-        """The running mean compute time of ``key`` (entry, model); 0 before its first."""
+        """The expected compute time of ``key`` (entry, model): the median of its last
+        :data:`RECENT` (one slow first run does not stay for long); 0 before its first."""
         with self._lock:
-            return self._mean_s.get(key, 0.0)
+            return self._expected_locked(key)
+
+    def _expected_locked(self, key) -> float:
+        recent = self._recent.get(key)
+        if not recent:
+            return 0.0
+        ordered = sorted(recent)
+        return ordered[len(ordered) // 2]
 
     def predicted_wait_s(self, client: str) -> float:
         """How long a new request of ``client`` would wait for a slot now (s)."""
@@ -174,9 +185,10 @@ class FairScheduler:
                 figures.refused_busy += 1
                 raise RequestRejected(StatusCode.BUSY, f"{queued} requests of this client are already "
                                       f"waiting for a compute slot (max_queued_per_client)")
-            expected = self._mean_s.get(key, 0.0)
+            expected = self._expected_locked(key)
             wait = self._predicted_wait_locked(client)
-            if deadline_s > 0 and wait + expected > deadline_s:
+            # an idle server always tries: a request may be faster than the last ones were
+            if deadline_s > 0 and wait > 0 and wait + expected > deadline_s:
                 figures.refused_busy += 1
                 raise RequestRejected(StatusCode.BUSY, (
                     f"server busy: about {wait:.3f} s of queued work before this request and "
@@ -224,11 +236,13 @@ class FairScheduler:
         with self._lock:
             self._running.pop(id(ticket), None)
             self._free += 1
-            first = ticket.key not in self._mean_s
-            self._mean_s[ticket.key] = _mean(self._mean_s.get(ticket.key, 0.0), compute_s, first)
-            self._mean_s.move_to_end(ticket.key)
-            while len(self._mean_s) > MAX_KEYS:
-                self._mean_s.popitem(last=False)
+            recent = self._recent.get(ticket.key)
+            if recent is None:
+                recent = self._recent[ticket.key] = deque(maxlen=RECENT)
+            recent.append(compute_s)
+            self._recent.move_to_end(ticket.key)
+            while len(self._recent) > MAX_KEYS:
+                self._recent.popitem(last=False)
             figures = self._figures(ticket.client)
             figures.served += 1
             figures.mean_wait_s = _mean(figures.mean_wait_s, ticket.waited_s, figures.served == 1)

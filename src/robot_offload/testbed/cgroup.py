@@ -387,6 +387,20 @@ class CpuLimit:
             raise
         return self
 
+    def set_ratio(self, ratio):
+        """Change the quota of the open group to ``ratio`` CPUs (same period), e.g. to slow
+        one server down in the middle of a run."""
+        if self.path is None:
+            raise TestbedError("CpuLimit is not open")
+        quota_us = quota_for_ratio(ratio, self.period_us)
+        if quota_us < MIN_QUOTA_US:
+            raise ValueError(f"quota must be >= {MIN_QUOTA_US} us, got {quota_us}")
+        if self.mechanism.kind == "cgroup-v1":
+            _write(os.path.join(self.path, "cpu.cfs_quota_us"), quota_us)
+        else:
+            _write(os.path.join(self.path, "cpu.max"), format_cpu_max(quota_us, self.period_us))
+        self.quota_us, self.ratio = quota_us, quota_us / self.period_us
+
     def _enable_v2_cpu(self):
         # The parent must delegate "cpu" to its children; systemd hosts usually do.
         control = os.path.join(self.mechanism.root, "cgroup.subtree_control")

@@ -1,0 +1,292 @@
+"""The fleet benchmark: N robots and M offload servers on one machine, with one real ROS
+master, real ``offload_server`` nodes and one ROS node per robot
+(:mod:`robot_offload.ros.fleet_robot`).
+
+::
+
+    rosrun robot_offload bench --fleet 4:2 --model resnet18 --mode full_offload \\
+        --server-cpus 0.5 --duration-s 40 --slow 1:3@15 --out docs/bench/fleet
+
+* Each server is its own process under its own CPU quota (``--server-cpus`` CPUs, a
+  cgroup: :class:`~robot_offload.testbed.cgroup.CpuLimit`), found by the robots through
+  the master under ``/fleet``. ``--slow I:F@T`` divides server I's quota by F at T s into
+  the run; ``--kill I@T`` SIGKILLs it at T s.
+* Each robot offers frames at ``--rate-hz`` (robot 0 at ``--fast-factor`` times that) from
+  one shared start; a frame due while the last one runs is dropped, as the client node's
+  newest-frame queue would, so offered = processed + dropped for every robot.
+* The links are loopback, unshaped: this measures how servers share their compute among
+  robots, not a wireless link (the two-machine testbed does that).
+
+Writes ``results.json`` (every frame of every robot) and ``report.md``: per robot and in
+all, frames processed per second, latency median / P95 / P99 with a 95 % interval of the
+median, frames computed locally, hedges (share of calls, wins, extra bytes) and the
+fairness ratio (worst robot's median / best robot's), plus ``latency.png``.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import List
+
+import numpy as np
+
+from robot_offload.testbed.cgroup import CpuLimit, choose_mechanism
+
+FLEET_NS = "/fleet"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _event(text: str, with_factor: bool):
+    """``I:F@T`` (with_factor) or ``I@T`` -> (I, F, T)."""
+    head, at = text.split("@")
+    if with_factor:
+        index, factor = head.split(":")
+        return int(index), float(factor), float(at)
+    return int(head), 1.0, float(at)
+
+
+def percentile_ci(values, q, level=0.95):
+    """The ``q`` quantile of ``values`` and a distribution-free interval for it (order
+    statistics of the binomial), as (value, low, high)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    n = len(v)
+    if n == 0:
+        return (float("nan"),) * 3
+    z = 1.96 if level == 0.95 else 2.58
+    half = z * np.sqrt(n * q * (1 - q))
+    lo = int(max(0, np.floor(n * q - half)))
+    hi = int(min(n - 1, np.ceil(n * q + half)))
+    return float(np.quantile(v, q)), float(v[lo]), float(v[hi])
+
+
+def summarise(robots: List[dict], duration_s: float) -> dict:
+    """Per-robot and aggregate figures from the robots' result files."""
+    rows = []
+    every = []
+    for r in robots:
+        lat = [f["latency_s"] for f in r["frames"]]
+        every += lat
+        local = sum(1 for f in r["frames"] if f["mode"] == "local")
+        med = percentile_ci(lat, 0.5)
+        rows.append({"robot": r["client_id"], "rate_hz": r["rate_hz"], "offered": r["offered"],
+                     "processed": len(lat), "dropped": r["dropped"], "local": local,
+                     "fps": len(lat) / duration_s, "offloaded_fps": (len(lat) - local) / duration_s,
+                     "p50_s": med[0], "p50_ci_s": med[1:], "p95_s": percentile_ci(lat, 0.95)[0],
+                     "p99_s": percentile_ci(lat, 0.99)[0], **{k: r["pool"].get(k, 0) for k in (
+                         "calls", "hedges", "hedges_won", "hedge_bytes_up", "failovers")}})
+    medians = [row["p50_s"] for row in rows if row["processed"]]
+    calls = sum(row["calls"] for row in rows)
+    hedges = sum(row["hedges"] for row in rows)
+    total = {"fps": sum(row["fps"] for row in rows),
+             "offloaded_fps": sum(row["offloaded_fps"] for row in rows),
+             "p50_s": percentile_ci(every, 0.5), "p95_s": percentile_ci(every, 0.95),
+             "p99_s": percentile_ci(every, 0.99),
+             "fairness": max(medians) / min(medians) if medians else float("nan"),
+             "local": sum(row["local"] for row in rows),
+             "accounted": all(row["processed"] + row["dropped"] == row["offered"] for row in rows),
+             "calls": calls, "hedges": hedges, "hedge_share": hedges / calls if calls else 0.0,
+             "hedges_won": sum(row["hedges_won"] for row in rows),
+             "hedge_mb_up": sum(row["hedge_bytes_up"] for row in rows) / 1e6,
+             "failovers": sum(row["failovers"] for row in rows)}
+    return {"robots": rows, "total": total}
+
+
+def report_markdown(summary: dict, setup: dict) -> str:
+    ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
+    lines = [f"# Fleet: {setup['robots']} robots, {setup['servers']} servers", "",
+             "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()), "",
+             "| robot | rate (Hz) | offered | processed | dropped | local | fps | median ms [95% CI] | P95 ms | P99 ms | hedges (won) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["robots"]:
+        lines.append(f"| {r['robot']} | {r['rate_hz']:g} | {r['offered']} | {r['processed']} | {r['dropped']} | "
+                     f"{r['local']} | {r['fps']:.2f} | {ms(r['p50_s'])} [{ms(r['p50_ci_s'][0])}-{ms(r['p50_ci_s'][1])}] | "
+                     f"{ms(r['p95_s'])} | {ms(r['p99_s'])} | {r['hedges']} ({r['hedges_won']}) |")
+    t = summary["total"]
+    lines += ["", "| in all | value |", "| --- | --- |",
+              f"| frames/s processed (offloaded) | {t['fps']:.2f} ({t['offloaded_fps']:.2f}) |",
+              f"| latency median [95% CI] | {ms(t['p50_s'][0])} [{ms(t['p50_s'][1])}-{ms(t['p50_s'][2])}] ms |",
+              f"| latency P95, P99 [95% CI] | {ms(t['p95_s'][0])}, {ms(t['p99_s'][0])} [{ms(t['p99_s'][1])}-{ms(t['p99_s'][2])}] ms |",
+              f"| fairness (worst / best robot median) | {t['fairness']:.2f} |",
+              f"| frames computed locally | {t['local']} |",
+              f"| every offered frame processed or dropped | {'yes' if t['accounted'] else 'NO'} |",
+              f"| hedges: share of calls, won, extra MB up | {100 * t['hedge_share']:.1f} %, {t['hedges_won']}, {t['hedge_mb_up']:.1f} |",
+              f"| calls failed over to another server | {t['failovers']} |", ""]
+    return "\n".join(lines)
+
+
+def plot(robots: List[dict], events: List[tuple], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in robots:
+        ax.plot([f["t"] for f in r["frames"]], [1e3 * f["latency_s"] for f in r["frames"]], ".",
+                markersize=3, label=r["client_id"])
+    for what, t in events:
+        ax.axvline(t, color="k", linestyle="--", linewidth=0.8)
+        ax.text(t, ax.get_ylim()[1] * 0.95, what, fontsize=8)
+    ax.set_xlabel("time into the run (s)")
+    ax.set_ylabel("frame latency (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> dict:
+    n_robots, n_servers = (int(x) for x in args.fleet.split(":"))
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    env = dict(os.environ, ROS_MASTER_URI=f"http://127.0.0.1:{_free_port()}", ROS_IP="127.0.0.1",
+               ROS_HOME=os.path.join(out, "logs"))
+    env.pop("ROS_HOSTNAME", None)
+    log = lambda name: open(os.path.join(out, "logs", name), "w")  # noqa: E731
+    procs, limits = [], []
+    mechanism = choose_mechanism()
+    if mechanism.kind == "threads" and args.server_cpus > 0:
+        raise SystemExit(f"--server-cpus needs a writable cgroup CPU controller: {mechanism.reason}")
+    try:
+        port = env["ROS_MASTER_URI"].rsplit(":", 1)[1]
+        procs.append(subprocess.Popen(["roscore", "-p", port], env=env, stdout=log("roscore.log"),
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_master(env)
+        servers = []
+        for i in range(n_servers):
+            argv = ["rosrun", "robot_offload", "offload_server", f"__ns:={FLEET_NS}", f"__name:=s{i}",
+                    "_device:=cpu", f"_preload:=[{args.model}]", "_ops_sandbox:=false",
+                    f"_compute_slots:={args.compute_slots}"]
+            if args.server_cpus > 0:
+                lim = CpuLimit(ratio=args.server_cpus).open()
+                limits.append(lim)
+                proc = lim.popen(argv, env=env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            else:
+                lim = None
+                proc = subprocess.Popen(argv, env=env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            procs.append(proc)
+            servers.append((proc, lim))
+        _wait_services(env, [f"{FLEET_NS}/s{i}/compute" for i in range(n_servers)])
+        start_at = time.time() + args.ready_s
+        robots = []
+        for j in range(n_robots):
+            rate = args.rate_hz * (args.fast_factor if j == 0 else 1.0)
+            argv = [sys.executable, "-m", "robot_offload.ros.fleet_robot", "--fleet-ns", FLEET_NS,
+                    "--client-id", f"robot{j}", "--model", args.model, "--mode", args.mode,
+                    "--input-size", args.input_size, "--rate-hz", str(rate), "--start-at", str(start_at),
+                    "--duration-s", str(args.duration_s), "--timeout-s", str(args.timeout_s),
+                    "--balance", args.balance, "--hedge", str(int(args.hedge)),
+                    "--hedge-budget", str(args.hedge_budget), "--out", os.path.join(out, f"robot{j}.json")]
+            robots.append(subprocess.Popen(argv, env=env, stdout=log(f"robot{j}.log"), stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+        procs += robots
+        events = sorted([("slow", *_event(e, True)) for e in args.slow] +
+                        [("kill", *_event(e, False)) for e in args.kill], key=lambda e: e[3])
+        done_events = []
+        while time.time() < start_at:
+            if any(p.poll() not in (None, 0) for p in robots):
+                raise SystemExit("a robot failed before the start; see logs/robot*.log")
+            time.sleep(0.1)
+        for what, index, factor, at in events:
+            while time.time() < start_at + at:
+                time.sleep(0.05)
+            proc, lim = servers[index]
+            if what == "slow":
+                lim.set_ratio(args.server_cpus / factor)
+                done_events.append((f"s{index} {factor:g}x slower", at))
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+                done_events.append((f"s{index} killed", at))
+        for p in robots:
+            p.wait(timeout=args.duration_s + args.ready_s + 300)
+        if any(p.returncode != 0 for p in robots):
+            raise SystemExit("a robot failed; see logs/robot*.log")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGINT)
+                    p.wait(timeout=15)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        for lim in limits:
+            lim.close()
+    robots_data = []
+    for j in range(n_robots):
+        with open(os.path.join(out, f"robot{j}.json")) as f:
+            robots_data.append(json.load(f))
+    summary = summarise(robots_data, args.duration_s)
+    setup = {"robots": n_robots, "servers": n_servers, "model": args.model, "mode": args.mode,
+             "input": args.input_size or "default", "rate Hz": args.rate_hz,
+             "robot0 rate x": args.fast_factor, "server CPUs each": args.server_cpus,
+             "compute_slots": args.compute_slots, "balance": args.balance,
+             "hedge": f"{args.hedge} (budget {args.hedge_budget:g})", "timeout s": args.timeout_s,
+             "duration s": args.duration_s, "events": "; ".join(f"{w} at {t:g} s" for w, t in done_events) or "none",
+             "link": "loopback, unshaped"}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"setup": setup, "summary": summary, "robots": robots_data}, f)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(report_markdown(summary, setup))
+    plot(robots_data, done_events, os.path.join(out, "latency.png"))
+    return summary
+
+
+def _wait_master(env, timeout_s=60.0):
+    probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if subprocess.run(probe, env=env).returncode == 0:
+            return
+        time.sleep(0.3)
+    raise TimeoutError("roscore did not come up")
+
+
+def _wait_services(env, names: List[str], timeout_s=300.0):
+    code = ("import rospy, sys\n"
+            "for n in sys.argv[1:]:\n    rospy.wait_for_service(n, %f)\n" % timeout_s)
+    subprocess.run([sys.executable, "-c", code, *names], env=env, check=True, timeout=timeout_s + 30)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--fleet", required=True, metavar="ROBOTS:SERVERS")
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--mode", default="full_offload")
+    ap.add_argument("--input-size", default="", help="H,W of the model input (default: the model's)")
+    ap.add_argument("--rate-hz", type=float, default=4.0, help="frames offered per second by each robot")
+    ap.add_argument("--fast-factor", type=float, default=1.0, help="robot0 offers this many times the rate")
+    ap.add_argument("--server-cpus", type=float, default=0.5, help="CPU quota of each server (0 = none)")
+    ap.add_argument("--compute-slots", type=int, default=1)
+    ap.add_argument("--duration-s", type=float, default=30.0)
+    ap.add_argument("--ready-s", type=float, default=60.0, help="time the robots get to connect before the start")
+    ap.add_argument("--timeout-s", type=float, default=2.0)
+    ap.add_argument("--balance", default="least_predicted_latency")
+    ap.add_argument("--hedge", type=int, default=1, help="1: hedge late calls, 0: never")
+    ap.add_argument("--hedge-budget", type=float, default=0.1)
+    ap.add_argument("--slow", action="append", default=[], metavar="I:F@T",
+                    help="divide server I's CPU quota by F at T s into the run")
+    ap.add_argument("--kill", action="append", default=[], metavar="I@T", help="SIGKILL server I at T s")
+    ap.add_argument("--out", default="bench-fleet")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="bench --fleet", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    run(args)
+    with open(os.path.join(args.out, "report.md")) as f:
+        print(f.read())
