@@ -284,8 +284,9 @@ class OffloadClient:
         for b in self._backends.values():
             b.close()
         if self.link is not None:
-            self.link.close()
-            self.link.transport.close()
+            self.link.close()             # a pool closes its servers' transports itself
+            if isinstance(self.link, ServerLink):
+                self.link.transport.close()
 
     def _get_backend(self, mode: str) -> backends.Backend:
         with self._lock:

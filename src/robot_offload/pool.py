@@ -138,6 +138,7 @@ class ServerPool:
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
         self.last_error = "no offload server found yet"
+        self._no_server = _NoServer(self.last_error)
         self.listeners: List[Callable[[str], None]] = []
 
     # -- the link's surface, for backends and the client ---------------------------------
@@ -174,7 +175,10 @@ class ServerPool:
     @property
     def transport(self) -> Transport:
         home = self.home
-        return home.link.transport if home is not None else _NoServer(self.last_error)
+        if home is not None:
+            return home.link.transport
+        self._no_server.why = f"no offload server available: {self.last_error}"
+        return self._no_server
 
     def _home_attr(self, name: str, default):
         home = self.home
@@ -246,6 +250,7 @@ class ServerPool:
             members, self._members = list(self._members.values()), {}
         for m in members:
             self._drop(m)
+        self._no_server.close()
 
     # -- directory -------------------------------------------------------------------------
     def refresh(self, connect_timeout_s: Optional[float] = None) -> None:
