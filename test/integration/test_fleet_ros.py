@@ -71,3 +71,44 @@ def test_servers_found_through_the_master_share_the_frames_and_survive_a_kill(la
         assert client.link.figures().get("failovers", 0) >= 1 or f"{FLEET}/gpu0" not in served
     finally:
         client.close()
+
+
+@pytest.mark.timeout(900)
+def test_two_robots_launched_with_fleet_ns_offload_to_both_servers(launch, tmp_path):
+    """robot.launch in two robot namespaces with fleet_ns: each client node finds both
+    servers, offloads every frame, and each server's health report names both robots."""
+    for name in ("gpu0", "gpu1"):
+        _server(launch, name)
+    wrapper = tmp_path / "robots.launch"
+    robot_args = (f'<arg name="model" value="{MODEL}"/><arg name="mode" value="full_offload"/>'
+                  '<arg name="input_size" value="[64,64]"/><arg name="rate_hz" value="5"/>'
+                  '<arg name="timeout_s" value="10.0"/><arg name="fleet_ns" value="/offload_servers"/>'
+                  '<arg name="bandwidth_monitor" value="false"/><arg name="power_logger" value="false"/>')
+    wrapper.write_text("<launch>" + "".join(
+        f'<group ns="{r}"><include file="$(find robot_offload)/launch/robot.launch">{robot_args}</include></group>'
+        for r in ("robot1", "robot2")) + "</launch>")
+    launch.start(str(wrapper))
+    from robot_offload.msg import InferenceStats
+    got = {"robot1": [], "robot2": []}
+    subs = [rospy.Subscriber(f"/{r}/offload_client/stats", InferenceStats, got[r].append, queue_size=100)
+            for r in got]
+    try:
+        _until(lambda: all(sum(1 for s in v if s.executed_mode == "full_offload") >= 10 for v in got.values()),
+               300, f"not every robot offloaded 10 frames: { {r: [s.executed_mode for s in v][-5:] for r, v in got.items()} }")
+    finally:
+        for s in subs:
+            s.unregister()
+    # each server served both robots (balanced per call), per its own figures
+    from diagnostic_msgs.msg import DiagnosticArray
+    seen = {}
+
+    def on_diag(msg):
+        for status in msg.status:
+            if "offload_server" in status.name or "gpu" in status.name:
+                seen[status.name] = {kv.key: kv.value for kv in status.values}
+    sub = rospy.Subscriber("/diagnostics", DiagnosticArray, on_diag, queue_size=50)
+    try:
+        _until(lambda: len([s for s in seen.values() if sum(k.startswith("client ") for k in s) >= 2]) >= 2,
+               120, f"the servers' diagnostics do not both name two clients: {seen}")
+    finally:
+        sub.unregister()
