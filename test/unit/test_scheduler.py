@@ -1,6 +1,7 @@
 """The server's compute slots: clients served in turn, work refused BUSY when it cannot
 start before its deadline, dropped when its deadline passes while it waits."""
 
+import json
 import threading
 import time
 
@@ -179,3 +180,38 @@ def test_an_idle_server_always_tries_and_one_slow_first_run_is_soon_forgotten():
             clock.t += 0.1
     assert sched.expected_s(("forward", "m")) == pytest.approx(0.1)
     assert sched.client_figures("a")["busy"] == 0
+
+
+def test_requests_of_several_clients_run_as_one_batch_each_getting_its_own_rows():
+    server = OffloadServer(ServerConfig(device="cpu", max_batch=4, ops_sandbox=False))
+    server.handle("load_model", LoadModelRequest(client_id="a", model="mobilenet_v2"))
+    model = server.load("mobilenet_v2").module
+    inputs = {c: torch.randn(1, 3, 64, 64) for c in ("r1", "r2", "r3")}
+    inputs["r1-again"] = torch.randn(1, 3, 64, 64)
+    odd = torch.randn(1, 3, 48, 48)            # another shape: never in their batch
+    release, started = threading.Event(), threading.Event()
+    holder = _hold(server.scheduler, "other", key=("forward", "mobilenet_v2"), started=started, release=release)
+    assert started.wait(5)
+    replies = {}
+
+    def send(name, client, x):
+        replies[name] = server.handle("compute", _forward_request(client, x, 30.0))
+    threads = []
+    for name, client, x in (("r1", "r1", inputs["r1"]), ("r2", "r2", inputs["r2"]), ("odd", "r4", odd),
+                            ("r3", "r3", inputs["r3"]), ("r1-again", "r1", inputs["r1-again"])):
+        threads.append(threading.Thread(target=send, args=(name, client, x), daemon=True))
+        threads[-1].start()
+        _queued(server.scheduler, len(threads))
+    release.set()
+    for t in threads + [holder]:
+        t.join(60)
+    batches = {name: json.loads(r.result_json)["batch"] for name, r in replies.items()}
+    # r1 leads and takes r2 and r3 (each the first of its client); r4's other shape and
+    # r1's second request run alone
+    assert batches == {"r1": 3, "r2": 3, "r3": 3, "odd": 1, "r1-again": 1}, batches
+    with torch.inference_mode():
+        for name, x in list(inputs.items()) + [("odd", odd)]:
+            assert replies[name].status == StatusCode.OK, replies[name].status_text
+            torch.testing.assert_close(codec.decode(replies[name].tensors[0]), model(x))
+    assert server.activity()["compute"]["clients"]["r2"]["served"] == 1
+    server.close()

@@ -50,11 +50,23 @@ class Executor:
     #: (:mod:`robot_offload.server.scheduler`). Entries whose requests wait for one
     #: another (``lop_part``) or that bound their clients themselves (``ops``) say False.
     QUEUED = False
+    #: True: the entry also has :meth:`prepare` (the model input of a request, checked and
+    #: decoded) and :meth:`respond`, so requests of several clients for one model and
+    #: input shape can run as one batch (``max_batch``).
+    BATCHABLE = False
 
     def __init__(self, server):
         self.server = server
 
     def __call__(self, loaded: Optional[LoadedModel], req: ComputeRequest) -> ComputeResponse:
+        raise NotImplementedError
+
+    def prepare(self, loaded: LoadedModel, req: ComputeRequest) -> torch.Tensor:
+        raise NotImplementedError
+
+    def respond(self, loaded: LoadedModel, req: ComputeRequest, x: torch.Tensor, y,
+                compute_s: float, **result) -> ComputeResponse:
+        """The reply for outputs ``y`` of input ``x``; ``result`` goes into result_json."""
         raise NotImplementedError
 
     def status(self) -> dict:

@@ -50,14 +50,18 @@ class ServerConfig:
     # (robot_offload.server.scheduler).
     compute_slots: int = 1               # requests computing at once
     max_queued_per_client: int = 8       # requests of one client waiting for a slot
+    # Whole models of several clients for one model and input shape run as one batch of up
+    # to this many (1: each alone). Batched outputs equal single ones within float rounding
+    # (not bit for bit), hence off by default.
+    max_batch: int = 1
 
     def validate(self) -> "ServerConfig":
         if min(self.max_session_mib, self.max_sessions, self.max_sessions_per_client,
                self.max_client_mib) <= 0 or not self.session_idle_s > 0:
             raise ConfigError("max_session_mib, max_sessions, max_sessions_per_client, max_client_mib "
                               "and session_idle_s must be positive")
-        if self.compute_slots <= 0 or self.max_queued_per_client <= 0:
-            raise ConfigError("compute_slots and max_queued_per_client must be positive")
+        if self.compute_slots <= 0 or self.max_queued_per_client <= 0 or not 1 <= self.max_batch <= 64:
+            raise ConfigError("compute_slots and max_queued_per_client must be positive, max_batch in 1..64")
         if self.max_sandboxes <= 0 or not self.max_request_s > 0:
             raise ConfigError("max_sandboxes and max_request_s must be positive")
         if not (self.max_request_gflop > 0 and self.client_gflop_per_s > 0):

@@ -30,6 +30,7 @@ from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRe
 from robot_offload.server import executors, request_check
 from robot_offload.server.base import LoadedModel, RequestRejected
 from robot_offload.server.config import ServerConfig, resolve_device
+from robot_offload.server.executors.forward import run_batch
 from robot_offload.server.scheduler import FairScheduler
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,9 @@ class OffloadServer:
                 loaded = self._models.get(req.model)
             if loaded is None:
                 raise RequestRejected(StatusCode.MODEL_NOT_LOADED, f"model {req.model!r} is not loaded")
-        if run.QUEUED:
+        if run.BATCHABLE and self.config.max_batch > 1:
+            resp = self._batched(run, loaded, req)
+        elif run.QUEUED:
             with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model),
                                      req.deadline_s) as ticket:
                 resp = run(loaded, req)
@@ -278,6 +281,32 @@ class OffloadServer:
         else:
             resp = run(loaded, req)
         resp.server_total_s = time.perf_counter() - t0
+        return resp
+
+    def _batched(self, run, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+        """A batchable request: its input prepared first, then run in a batch with other
+        clients' requests for the same model and input shape (:mod:`.scheduler`)."""
+        t0 = time.perf_counter()
+        x = run.prepare(loaded, req)
+        prepare_s = time.perf_counter() - t0
+        batch_key = (req.entry, req.model, tuple(x.shape), str(x.dtype))
+        with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model), req.deadline_s,
+                                 batch_key=batch_key, payload=x) as ticket:
+            if ticket.leader is None:
+                members = self.scheduler.gather(ticket, self.config.max_batch - 1)
+                t1 = time.perf_counter()
+                try:
+                    outputs = run_batch(self, loaded, [x] + [m.payload for m in members])
+                except BaseException as e:
+                    self.scheduler.finish(members, error=e)
+                    raise
+                compute_s = time.perf_counter() - t1
+                self.scheduler.finish(members, outputs[1:], compute_s=compute_s)
+                y = outputs[0]
+            else:
+                y, compute_s = ticket.result, ticket.compute_s
+        resp = run.respond(loaded, req, x, y, prepare_s + compute_s, batch=ticket.batch_size)
+        resp.server_queue_s = ticket.waited_s
         return resp
 
     # -- helpers for executors ----------------------------------------------------------

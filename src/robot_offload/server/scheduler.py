@@ -20,6 +20,12 @@ the best use of one GPU, or of the CPU's threads).
 * **Dropping.** A request still waiting when its deadline passes is dropped (``BUSY``):
   nobody waits for its answer any more, so it costs no compute. One that states no
   deadline waits at most ``max_wait_s``.
+* **Batches** (``max_batch`` > 1). When a request of a batchable entry (``forward``,
+  ``forward_image``) gets a slot, the first waiting request of each other client with the
+  same model and input shape joins it, in turn order, up to ``max_batch`` in all: one
+  forward for all of them, each client getting its own rows. The bounded wait for a
+  batch is none: a batch is what is already waiting when a slot frees, so an idle
+  server adds no latency, and a busy one batches the most.
 * **Bounds.** At most ``max_queued_per_client`` requests of one client wait at once (a
   further one is BUSY), and per-client figures are kept for at most ``max_clients``
   clients (least recently seen dropped).
@@ -34,7 +40,7 @@ import time
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from robot_offload.protocol import StatusCode
 from robot_offload.server.base import RequestRejected
@@ -58,6 +64,15 @@ class _Ticket:
     queued_at: float
     granted: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
+    # batching: requests with one batch_key may run as one batch (its leader's)
+    batch_key: Optional[tuple] = None
+    payload: object = None
+    leader: Optional["_Ticket"] = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: Optional[BaseException] = None
+    compute_s: float = 0.0
+    batch_size: int = 1
 
     @property
     def waited_s(self) -> float:
@@ -105,15 +120,74 @@ class FairScheduler:
 
     # -- the one entry point ------------------------------------------------------------
     @contextmanager
-    def slot(self, client: str, key: Tuple[str, str], deadline_s: float = 0.0):
+    def slot(self, client: str, key: Tuple[str, str], deadline_s: float = 0.0,
+             batch_key: Optional[tuple] = None, payload=None):
         """Hold a compute slot for the ``with`` body; yields the ticket (``waited_s``).
-        Raises RequestRejected (BUSY) when the request cannot start in time."""
-        ticket = self._admit(client, key, deadline_s)
+        Raises RequestRejected (BUSY) when the request cannot start in time.
+
+        With a ``batch_key``, the request may instead be taken into another client's batch
+        (:meth:`gather`): then the body gets the ticket with ``leader`` set and its
+        ``result`` (or ``error``) already there, and holds no slot."""
+        ticket = self._admit(client, key, deadline_s, batch_key, payload)
         self._wait(ticket)
+        if ticket.leader is not None:
+            if not ticket.done.wait(self.max_wait_s):
+                raise RequestRejected(StatusCode.BUSY, "the batch this request was taken into never finished")
+            if ticket.error is not None:
+                raise ticket.error
+            yield ticket
+            return
         try:
             yield ticket
         finally:
             self._release(ticket)
+
+    def gather(self, leader: _Ticket, most: int) -> List[_Ticket]:
+        """Up to ``most`` requests of *other* clients waiting with ``leader``'s batch key,
+        each the first in its client's queue, taken in the clients' turn order: they run
+        in ``leader``'s batch (each client's own requests stay in order, and a batch gives
+        every client in it its turn). The caller hands each its outcome with
+        :meth:`finish`."""
+        taken: List[_Ticket] = []
+        if leader.batch_key is None or most <= 0:
+            return taken
+        with self._lock:
+            now = self.clock()
+            for client, queue in list(self._waiting.items()):
+                if len(taken) >= most:
+                    break
+                if client == leader.client or queue[0].batch_key != leader.batch_key:
+                    continue
+                ticket = queue.popleft()
+                if queue:
+                    self._waiting.move_to_end(client)
+                else:
+                    del self._waiting[client]
+                ticket.leader = leader
+                ticket.started_at = now
+                taken.append(ticket)
+            leader.batch_size = 1 + len(taken)
+            for ticket in taken:
+                ticket.batch_size = leader.batch_size
+                ticket.granted.set()
+        return taken
+
+    def finish(self, members: List[_Ticket], results=None, error: Optional[BaseException] = None,
+               compute_s: float = 0.0) -> None:
+        """Hand the requests taken into a batch their outputs (``results``, in order) or
+        the batch's ``error``."""
+        with self._lock:
+            for i, ticket in enumerate(members):
+                ticket.result = None if results is None else results[i]
+                ticket.error = error
+                ticket.compute_s = compute_s
+                figures = self._figures(ticket.client)
+                if error is None:
+                    figures.served += 1
+                    figures.mean_wait_s = _mean(figures.mean_wait_s, ticket.waited_s, figures.served == 1)
+                    figures.mean_compute_s = _mean(figures.mean_compute_s, compute_s, figures.served == 1)
+        for ticket in members:
+            ticket.done.set()
 
     # -- figures ------------------------------------------------------------------------
     def expected_s(self, key: Tuple[str, str]) -> float:
@@ -175,7 +249,8 @@ class FairScheduler:
             max(t.expected_s - (now - t.started_at), now - t.started_at) for t in self._running.values())
         return (ahead + running) / self.slots
 
-    def _admit(self, client: str, key: Tuple[str, str], deadline_s: float) -> _Ticket:
+    def _admit(self, client: str, key: Tuple[str, str], deadline_s: float,
+               batch_key: Optional[tuple] = None, payload=None) -> _Ticket:
         now = self.clock()
         with self._lock:
             figures = self._figures(client)
@@ -194,7 +269,7 @@ class FairScheduler:
                     f"server busy: about {wait:.3f} s of queued work before this request and "
                     f"{expected:.3f} s of its own, past its deadline of {deadline_s:.3f} s"))
             bound = deadline_s if deadline_s > 0 else self.max_wait_s
-            ticket = _Ticket(client, key, expected, now + bound, now)
+            ticket = _Ticket(client, key, expected, now + bound, now, batch_key=batch_key, payload=payload)
             self._waiting.setdefault(client, deque()).append(ticket)
             self._dispatch_locked()
         return ticket

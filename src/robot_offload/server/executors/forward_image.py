@@ -14,7 +14,7 @@ The frame is resized and normalised on the server's device by
 :func:`~robot_offload.models.registry.preprocess_image_tensor` with the registry spec's
 mean and std, the function the robot's own preprocessing runs: on the same device both
 sides compute the same input, bit for bit. ``server_compute_s`` covers preprocessing and
-the model.
+the model (in a batch: the batch's model time).
 """
 
 import json
@@ -33,8 +33,10 @@ ENTRY = "forward_image"
 class ForwardImageExecutor(Executor):
     ENTRY = ENTRY
     QUEUED = True
+    BATCHABLE = True
 
-    def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+    def prepare(self, loaded: LoadedModel, req: ComputeRequest) -> torch.Tensor:
+        """The model input: the frame checked, decoded and preprocessed on the device."""
         server = self.server
         spec = get_spec(loaded.name)
         if spec.input_kind != "image":
@@ -43,21 +45,26 @@ class ForwardImageExecutor(Executor):
         if len(req.tensors) != 1:
             raise bad_request(f"{ENTRY} takes 1 uint8 frame, got {len(req.tensors)} tensors")
         max_elements = server.config.max_input_elements
-        frame_shape = self._check_frame(req.tensors[0], max_elements)
+        self._check_frame(req.tensors[0], max_elements)
         size = self._input_size(req.args_json, max_elements)
         (frame,) = server.decode_inputs(req)
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            x = preprocess_image_tensor(frame, size, spec.mean, spec.std)
-        t1 = time.perf_counter()
-        y = run_model(server, loaded, x)
-        t2 = time.perf_counter()
-        tensors, structure_json = server.encode_outputs(y, req)
+            return preprocess_image_tensor(frame, size, spec.mean, spec.std)
+
+    def respond(self, loaded: LoadedModel, req: ComputeRequest, x: torch.Tensor, y,
+                compute_s: float, **result) -> ComputeResponse:
+        tensors, structure_json = self.server.encode_outputs(y, req)
         return ComputeResponse(status=StatusCode.OK, tensors=tensors, structure_json=structure_json,
-                               result_json=json.dumps({"frame_shape": frame_shape,
-                                                       "input_shape": list(x.shape),
-                                                       "preprocess_s": t1 - t0}),
-                               server_compute_s=t2 - t0)
+                               result_json=json.dumps({"frame_shape": [int(s) for s in req.tensors[0].shape],
+                                                       "input_shape": list(x.shape), **result}),
+                               server_compute_s=compute_s)
+
+    def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
+        t0 = time.perf_counter()
+        x = self.prepare(loaded, req)
+        t1 = time.perf_counter()
+        y = run_model(self.server, loaded, x)
+        return self.respond(loaded, req, x, y, time.perf_counter() - t0, preprocess_s=t1 - t0)
 
     @staticmethod
     def _check_frame(enc, max_elements: int) -> list:
