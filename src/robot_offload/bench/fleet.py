@@ -165,7 +165,7 @@ def run(args) -> dict:
         for i in range(n_servers):
             argv = ["rosrun", "robot_offload", "offload_server", f"__ns:={FLEET_NS}", f"__name:=s{i}",
                     "_device:=cpu", f"_preload:=[{args.model}]", "_ops_sandbox:=false",
-                    f"_compute_slots:={args.compute_slots}"]
+                    f"_compute_slots:={args.compute_slots}", f"_max_batch:={args.max_batch}"]
             if args.server_cpus > 0:
                 lim = CpuLimit(ratio=args.server_cpus).open()
                 limits.append(lim)
@@ -233,7 +233,7 @@ def run(args) -> dict:
     setup = {"robots": n_robots, "servers": n_servers, "model": args.model, "mode": args.mode,
              "input": args.input_size or "default", "rate Hz": args.rate_hz,
              "robot0 rate x": args.fast_factor, "server CPUs each": args.server_cpus,
-             "compute_slots": args.compute_slots, "balance": args.balance,
+             "compute_slots": args.compute_slots, "max_batch": args.max_batch, "balance": args.balance,
              "hedge": f"{args.hedge} (budget {args.hedge_budget:g})", "timeout s": args.timeout_s,
              "duration s": args.duration_s, "events": "; ".join(f"{w} at {t:g} s" for w, t in done_events) or "none",
              "link": "loopback, unshaped"}
@@ -270,6 +270,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fast-factor", type=float, default=1.0, help="robot0 offers this many times the rate")
     ap.add_argument("--server-cpus", type=float, default=0.5, help="CPU quota of each server (0 = none)")
     ap.add_argument("--compute-slots", type=int, default=1)
+    ap.add_argument("--max-batch", type=int, default=1, help="the servers' max_batch")
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument("--ready-s", type=float, default=60.0, help="time the robots get to connect before the start")
     ap.add_argument("--timeout-s", type=float, default=2.0)
