@@ -21,6 +21,7 @@ from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
 from robot_offload.pool import POLICIES, ServerDirectory, ServerPool
 from robot_offload.power import EnergyMeter
+from robot_offload.protocol import StatusCode
 from robot_offload.stats import FrameStats
 from robot_offload.transport.base import Transport
 
@@ -253,7 +254,10 @@ class OffloadClient:
                 if isinstance(e, OffloadTimeout):
                     stats.fallback_reason += (f" (the frame's deadline, ~timeout_s = {self.config.timeout_s:g} s: "
                                               "raise it if the server or link is only slow)")
-                self.link.mark_down(stats.fallback_reason)
+                if not (isinstance(e, RemoteError) and e.code == StatusCode.BUSY):
+                    # BUSY: the server is up and refused this frame at once, cheaply (it
+                    # cannot start it in time, or a bound is reached): no back-off
+                    self.link.mark_down(stats.fallback_reason)
         take_report = getattr(self.link, "take_frame_report", None)
         pool_report = take_report() if take_report is not None else None
         if pool_report:
