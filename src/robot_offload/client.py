@@ -258,8 +258,7 @@ class OffloadClient:
                     # BUSY: the server is up and refused this frame at once, cheaply (it
                     # cannot start it in time, or a bound is reached): no back-off
                     self.link.mark_down(stats.fallback_reason)
-        take_report = getattr(self.link, "take_frame_report", None)
-        pool_report = take_report() if take_report is not None else None
+        pool_report = self.link.take_frame_report() if self.link is not None else None
         if pool_report:
             stats.extra["pool"] = pool_report
         if outputs is None:

@@ -135,6 +135,11 @@ class ServerLink:
                                                 daemon=True)
                 self._prober.start()
 
+    def take_frame_report(self) -> Optional[dict]:
+        """What the link did for this thread's frame beyond its calls: nothing for one
+        server (a :class:`~robot_offload.pool.ServerPool` reports its servers and hedges)."""
+        return None
+
     def close(self) -> None:
         self._stop.set()
         if self._prober is not None:

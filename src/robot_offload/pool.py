@@ -139,7 +139,6 @@ class ServerPool:
         self._watcher: Optional[threading.Thread] = None
         self.last_error = "no offload server found yet"
         self._no_server = _NoServer(self.last_error)
-        self.listeners: List[Callable[[str], None]] = []
 
     # -- the link's surface, for backends and the client ---------------------------------
     @property

@@ -34,16 +34,10 @@ from typing import List
 
 import numpy as np
 
+from robot_offload.testbed._common import free_port
 from robot_offload.testbed.cgroup import CpuLimit, choose_mechanism
 
 FLEET_NS = "/fleet"
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _event(text: str, with_factor: bool):
@@ -148,7 +142,7 @@ def run(args) -> dict:
     n_robots, n_servers = (int(x) for x in args.fleet.split(":"))
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    env = dict(os.environ, ROS_MASTER_URI=f"http://127.0.0.1:{_free_port()}", ROS_IP="127.0.0.1",
+    env = dict(os.environ, ROS_MASTER_URI=f"http://127.0.0.1:{free_port()}", ROS_IP="127.0.0.1",
                ROS_HOME=os.path.join(out, "logs"))
     env.pop("ROS_HOSTNAME", None)
     log = lambda name: open(os.path.join(out, "logs", name), "w")  # noqa: E731

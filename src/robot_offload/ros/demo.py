@@ -11,7 +11,6 @@ running ROS system, and stops everything it started on exit.
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,7 @@ import rospy
 
 from robot_offload.msg import InferenceStats
 from robot_offload.report import markdown_table, summarise
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from robot_offload.testbed._common import free_port
 
 
 def collect(duration_s: float, modes, client="/offload_client", warmup_s=3.0, warmup_timeout_s=120.0):

@@ -47,8 +47,7 @@ def main(argv=None):
     frames = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(8)]
     for frame in frames[:3]:                    # warm both sides up, not recorded
         client.process(frame)
-    client.link.figures()                       # (counters keep running; the report subtracts)
-    before = client.link.figures()
+    before = client.link.figures()              # counters keep running: the report subtracts these
     print("READY", flush=True)
 
     period_s = 1.0 / args.rate_hz

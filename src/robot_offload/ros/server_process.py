@@ -4,7 +4,6 @@ can be killed and restarted, and its process watched."""
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -12,6 +11,7 @@ import rospy
 
 from robot_offload import auth
 from robot_offload.health import process_figures
+from robot_offload.testbed._common import free_port
 
 
 class RosServer:
@@ -28,9 +28,7 @@ class RosServer:
         # A free port can be taken between choosing it and roscore binding it ("Address
         # already in use", seen once in CI): try again on another port.
         for attempt in range(3):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
             self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
                                          stderr=subprocess.STDOUT, start_new_session=True)

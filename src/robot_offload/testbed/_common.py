@@ -27,6 +27,14 @@ class TestbedError(OffloadError):
     __test__ = False  # not a pytest test class
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (another process may take it before it is bound)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def unique_base(prefix=PREFIX):
     """``prefix-<pid>-<n>``: unique within this host while this process lives."""
     return f"{prefix}-{os.getpid()}-{next(_seq)}"
