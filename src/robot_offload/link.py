@@ -116,6 +116,13 @@ class ServerLink:
         self.consecutive_failures = 0
         return response
 
+    def query_load(self, timeout_s: float) -> float:
+        """The server's wait for a compute slot now (s, as it reports it), by a plain
+        ping. Raises TransportError / RemoteError."""
+        ping = self.transport.call("ping", PingRequest(client_id=self.client_id), timeout_s)
+        raise_for_status(ping.status, ping.status_text)
+        return ping.server_backlog_s
+
     def mark_down(self, reason: str) -> None:
         """Record a failure and start probing in the background (idempotent)."""
         self.last_error = reason

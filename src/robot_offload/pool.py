@@ -11,9 +11,13 @@ transport, model load, version check and reconnect prober.
   (:data:`BALANCED_ENTRIES`) can run on any server that has the model, so each call goes
   to the server the ``balance`` policy picks among those up: ``round_robin``,
   ``least_outstanding`` (fewest of this client's calls in flight) or
-  ``least_predicted_latency`` (the default: this client's recent round trips to that
-  server, plus the calls it has in flight there at the server's recent compute time; a
-  server not used for ``explore_after_s`` is tried again). A server that answers BUSY or
+  ``least_predicted_latency`` (the default: this client's link time to that server, the
+  server's own wait for a slot as it reports it in every reply and to a ping every
+  ``load_probe_s`` (the other robots' work there), this client's calls in flight and the
+  server's recent compute time; servers within :data:`NEAR_BEST` of the best are picked
+  among at random, so robots reading the same reports do not all move at once; a server
+  not used for ``explore_after_s`` is measured again, by a copy of a call while hedging
+  is on, else by a call). A server that answers BUSY or
   fails is skipped for the rest of the call, which goes on to the next one while the
   frame's deadline allows; one that fails is marked down (its prober brings it back).
 * **Hedging.** When a balanced call has not answered after the ``hedge_percentile`` of
@@ -37,12 +41,13 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from robot_offload.errors import OffloadTimeout, RemoteError, ServerUnavailable, TransportError
+from robot_offload.errors import OffloadError, OffloadTimeout, RemoteError, ServerUnavailable, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.transport.base import Transport, shutdown_now
@@ -64,6 +69,13 @@ LATENCY_WINDOW = 64
 MIN_SAMPLES = 8
 #: weight of the newest round trip in a server's running mean
 MEAN_WEIGHT = 0.3
+#: a server's reported wait for a slot above this (s) is not believed
+MAX_BACKLOG_S = 3600.0
+#: a server's report of its wait older than this (s) is no longer used
+BACKLOG_TTL_S = 2.0
+#: servers predicted within this fraction of the best are picked among at random, so that
+#: robots seeing the same reports do not all move to the same server at once
+NEAR_BEST = 0.1
 
 
 @dataclass
@@ -80,20 +92,48 @@ class _Member:
         self.link = link
         self.outstanding = 0
         self.mean_s = 0.0            # running mean round trip of this client's calls (s)
-        self.compute_s = 0.0         # ... and of the server's time in them (s)
+        self.net_s = 0.0             # ... of their time outside the server: link and codec (s)
+        self.compute_s = 0.0         # ... of the server's time in them, less the queue (s)
+        self.backlog_s = 0.0         # the server's wait for a slot, as it last reported it (s)
+        self.backlog_at = float("-inf")   # ... and when that report came
         self.calls = 0
         self.last_used = 0.0
         self.skip_until = 0.0        # answered BUSY: not picked before this
         self.started: Dict[int, float] = {}   # calls in flight -> when they left
         self.window = collections.deque(maxlen=LATENCY_WINDOW)   # recent round trips (s)
 
-    def record(self, round_trip_s: float, server_s: float, now: float) -> None:
+    def record(self, round_trip_s: float, response: ComputeResponse, now: float) -> None:
+        server_s = response.server_total_s or response.server_compute_s
+        busy_s = max(0.0, server_s - max(0.0, response.server_queue_s))
+        net_s = max(0.0, round_trip_s - server_s)
         first = self.calls == 0
         self.calls += 1
-        self.mean_s = round_trip_s if first else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * round_trip_s
-        self.compute_s = server_s if first else (1 - MEAN_WEIGHT) * self.compute_s + MEAN_WEIGHT * server_s
+        self.mean_s = _mean(self.mean_s, round_trip_s, first)
+        self.net_s = _mean(self.net_s, net_s, first)
+        self.compute_s = _mean(self.compute_s, busy_s, first)
         self.last_used = now
         self.window.append(round_trip_s)
+        self.note_backlog(response.server_backlog_s, now)
+
+    def note_backlog(self, backlog_s, now: float) -> None:
+        """Take a server's reported wait for a slot, if it is a sane number (a reply is
+        data from the network: NaN, negative or huge values are ignored)."""
+        if isinstance(backlog_s, float) and 0.0 <= backlog_s <= MAX_BACKLOG_S:
+            self.backlog_s, self.backlog_at = backlog_s, now
+
+    def predicted_s(self, now: float) -> float:
+        """This client's next call here, predicted: its link time, the server's reported
+        wait (while it is recent), this client's calls in flight and the call
+        itself at the server's recent compute time; at least as long as the oldest call in
+        flight has already taken (a server that fell silent is slower than its mean)."""
+        # held, not drained, until the next report: other robots keep adding to it
+        backlog = self.backlog_s if now - self.backlog_at <= BACKLOG_TTL_S else 0.0
+        oldest = now - min(self.started.values()) if self.started else 0.0
+        return max(self.net_s + backlog + (self.outstanding + 1) * self.compute_s, oldest)
+
+
+def _mean(old: float, new: float, first: bool) -> float:
+    return new if first else (1 - MEAN_WEIGHT) * old + MEAN_WEIGHT * new
 
 
 class _NoServer(Transport):
@@ -111,7 +151,7 @@ class ServerPool:
     def __init__(self, directory: ServerDirectory, client_id: str, model: str, weights_hash: str,
                  balance: str = "least_predicted_latency", hedge: bool = True,
                  hedge_percentile: float = 95.0, hedge_budget: float = 0.1,
-                 rediscover_s: float = 2.0, explore_after_s: float = 5.0,
+                 rediscover_s: float = 2.0, explore_after_s: float = 5.0, load_probe_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, **link_kw):
         if balance not in POLICIES:
             raise ValueError(f"unknown balance {balance!r}; known: {list(POLICIES)}")
@@ -125,6 +165,7 @@ class ServerPool:
         self.hedge_budget = hedge_budget
         self.rediscover_s = rediscover_s
         self.explore_after_s = explore_after_s
+        self.load_probe_s = load_probe_s
         self.clock = clock
         self._link_kw = link_kw
         self._lock = threading.Lock()
@@ -134,9 +175,11 @@ class ServerPool:
         self._budget = collections.deque(maxlen=BUDGET_WINDOW)   # True: that call hedged
         self._figures = collections.Counter()
         self._tls = threading.local()
+        self._random = random.Random(client_id)
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="pool-call")
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
+        self._load_prober: Optional[threading.Thread] = None
         self.last_error = "no offload server found yet"
         self._no_server = _NoServer(self.last_error)
 
@@ -165,7 +208,8 @@ class ServerPool:
             up = [m for m in self._members.values() if m.link.available]
             if not up:
                 return home if home is not None and home.name in self._members else None
-            new = min(up, key=lambda m: (self._predicted_locked(m), m.name))
+            now = self.clock()
+            new = min(up, key=lambda m: (self._predicted_locked(m, now), m.name))
             if home is not None and new is not home:
                 log.warning("sessions and plans move from offload server %s to %s", home.name, new.name)
             self._home = new
@@ -195,6 +239,9 @@ class ServerPool:
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="pool-directory", daemon=True)
             self._watcher.start()
+        if self._load_prober is None and self.balance == "least_predicted_latency" and self.load_probe_s > 0:
+            self._load_prober = threading.Thread(target=self._probe_load, name="pool-load", daemon=True)
+            self._load_prober.start()
         return self.available
 
     def compute(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
@@ -242,8 +289,9 @@ class ServerPool:
 
     def close(self) -> None:
         self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=2.0)
+        for thread in (self._watcher, self._load_prober):
+            if thread is not None:
+                thread.join(timeout=2.0)
         shutdown_now(self._calls)
         with self._lock:
             members, self._members = list(self._members.values()), {}
@@ -292,6 +340,21 @@ class ServerPool:
         while not self._stop.wait(self.rediscover_s):
             self.refresh()
 
+    def _probe_load(self) -> None:
+        """Ask every server up for its wait for a slot every ``load_probe_s``: what the
+        other robots' calls cost there, which this client's own round trips do not show
+        for a server it has not used lately."""
+        while not self._stop.wait(self.load_probe_s):
+            for m in self._snapshot():
+                if not m.link.available or self._stop.is_set():
+                    continue
+                try:
+                    backlog_s = m.link.query_load(max(self.load_probe_s, 0.2))
+                except (TransportError, OffloadError):
+                    continue              # a compute call finds out, and marks it down
+                with self._lock:
+                    m.note_backlog(backlog_s, self.clock())
+
     @staticmethod
     def _drop(member: _Member) -> None:
         member.link.close()
@@ -302,13 +365,12 @@ class ServerPool:
             return list(self._members.values())
 
     # -- balancing and hedging ---------------------------------------------------------------
-    def _predicted_locked(self, m: _Member) -> float:
-        now = self.clock()
-        oldest = now - min(m.started.values()) if m.started else 0.0
-        if not m.started and (m.calls == 0 or now - m.last_used > self.explore_after_s):
-            return 0.0                       # never or long not tried: try it
-        # a call in flight longer than the mean says more about the server than the mean
-        return max(m.mean_s, oldest) + m.outstanding * m.compute_s
+    def _predicted_locked(self, m: _Member, now: float) -> float:
+        if m.calls == 0 and not m.started:
+            return 0.0                       # never tried: try it
+        if not self.hedge and not m.started and now - m.last_used > self.explore_after_s:
+            return 0.0                       # not tried lately: without hedges, a frame explores
+        return m.predicted_s(now)
 
     def _pick(self, exclude=()) -> Optional[_Member]:
         now = self.clock()
@@ -322,20 +384,39 @@ class ServerPool:
                 return up[next(self._rr) % len(up)]
             if self.balance == "least_outstanding":
                 return min(up, key=lambda m: (m.outstanding, m.last_used))
-            return min(up, key=lambda m: (self._predicted_locked(m), m.outstanding, m.last_used))
+            predicted = [(self._predicted_locked(m, now), m) for m in up]
+            best = min(p for p, _ in predicted)
+            return self._random.choice([m for p, m in predicted if p <= best * (1 + NEAR_BEST)])
+
+    def _explore_locked(self, first: _Member, now: float) -> Optional[_Member]:
+        """With hedging on, a server not used for ``explore_after_s`` is measured again by
+        sending it a copy of a call (the first answer wins, so the frame does not wait for
+        a server that may have become slow), while at most half the hedge budget is spent."""
+        if not self.hedge or self.balance != "least_predicted_latency":
+            return None
+        if sum(self._budget) + 1 > 0.5 * self.hedge_budget * max(len(self._budget), 1):
+            return None
+        stale = [m for m in self._members.values()
+                 if m is not first and m.link.available and m.skip_until <= now and not m.started
+                 and m.calls > 0 and now - m.last_used > self.explore_after_s]
+        return min(stale, key=lambda m: m.last_used) if stale else None
 
     def _hedge_delay_s(self) -> Optional[float]:
         """When a call is late enough to hedge: the ``hedge_percentile`` of the recent round
         trips of the server that answers fastest (a slow server's own percentile would
-        only say its calls are always late); None when hedging is off, unmeasured or past
+        only say its calls are always late), or of all of them while no server has
+        :data:`MIN_SAMPLES`; None when hedging is off, unmeasured or past
         its budget."""
         if not self.hedge:
             return None
         with self._lock:
             if sum(self._budget) + 1 > self.hedge_budget * max(len(self._budget), 1):
                 return None
-            windows = [sorted(m.window) for m in self._members.values()
-                       if m.link.available and len(m.window) >= MIN_SAMPLES]
+            up = [m for m in self._members.values() if m.link.available]
+            windows = [sorted(m.window) for m in up if len(m.window) >= MIN_SAMPLES]
+            if not windows:           # calls spread thin: all of this client's round trips
+                pooled = sorted(t for m in up for t in m.window)
+                windows = [pooled] if len(pooled) >= MIN_SAMPLES else []
         if not windows:
             return None
         q = self.hedge_percentile / 100.0
@@ -344,9 +425,18 @@ class ServerPool:
     def _frame_report(self) -> dict:
         report = getattr(self._tls, "report", None)
         if report is None:
-            report = self._tls.report = {"servers": [], "hedged": 0, "hedge_won": 0,
+            report = self._tls.report = {"servers": [], "hedged": 0, "explored": 0, "hedge_won": 0,
                                          "hedge_bytes_up": 0, "failovers": 0}
         return report
+
+    def _count_hedge(self, report: dict, request: ComputeRequest, why: str = "") -> None:
+        report["hedged"] += 1
+        report["hedge_bytes_up"] += request.payload_bytes
+        with self._lock:
+            self._figures["hedges"] += 1
+            self._figures["hedge_bytes_up"] += request.payload_bytes
+            if why:
+                self._figures[why] += 1
 
     def _timed(self, member: _Member, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
         token = object()
@@ -362,7 +452,7 @@ class ServerPool:
                 member.started.pop(id(token), None)
         now = self.clock()
         with self._lock:
-            member.record(now - t0, response.server_total_s or response.server_compute_s, now)
+            member.record(now - t0, response, now)
         return response
 
     def _failed(self, member: _Member, error: Exception) -> bool:
@@ -395,7 +485,14 @@ class ServerPool:
         if first is None:
             raise ServerUnavailable(f"no offload server available: {self.last_error}")
         start(first)
-        delay = self._hedge_delay_s()
+        with self._lock:
+            explore = self._explore_locked(first, self.clock())
+        if explore is not None:
+            hedged = sent_hedge = True
+            report["explored"] += 1
+            self._count_hedge(report, request, "explored")
+            start(explore)
+        delay = None if hedged else self._hedge_delay_s()
         if delay is not None:
             hedge_at = self.clock() + delay
         try:
@@ -432,11 +529,7 @@ class ServerPool:
                     second = self._pick(exclude=tried)
                     if second is not None:
                         sent_hedge = True
-                        report["hedged"] += 1
-                        report["hedge_bytes_up"] += request.payload_bytes
-                        with self._lock:
-                            self._figures["hedges"] += 1
-                            self._figures["hedge_bytes_up"] += request.payload_bytes
+                        self._count_hedge(report, request)
                         start(second)
         finally:
             with self._lock:

@@ -109,6 +109,9 @@ class ComputeResponse:
     server_compute_s: float = 0.0
     server_total_s: float = 0.0
     server_queue_s: float = 0.0      # waited for a compute slot (s), part of server_total_s
+    #: how long a new request would wait for a compute slot as this reply left (s): the
+    #: server's load, which clients of several servers balance on
+    server_backlog_s: float = 0.0
 
     @property
     def payload_bytes(self) -> int:
@@ -132,6 +135,7 @@ class PingResponse:
     device: str = ""
     payload: bytes = b""
     versions_json: str = ""     # the server's robot_offload.compat.Versions
+    server_backlog_s: float = 0.0   # as in ComputeResponse
 
 
 #: The methods every transport carries: name -> (request type, response type).

@@ -1,6 +1,7 @@
 """Several servers behind one client (robot_offload.pool), in process: calls balanced,
 late calls hedged, a lost server survived -- every output still the local model's."""
 
+import threading
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.errors import OffloadTimeout, ServerUnavailable
-from robot_offload.pool import ServerDirectory
+from robot_offload.pool import ServerDirectory, _Member
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transport.inproc import InProcessTransport
 
@@ -96,6 +97,38 @@ def test_least_predicted_latency_sends_most_calls_to_the_fast_server(servers):
         client.close()
 
 
+def test_a_server_busy_with_another_robots_work_is_avoided_before_this_client_waits_there(servers):
+    """Least predicted latency reads the server's reported wait (pings and replies): a
+    server whose slot another client holds is avoided without this client first paying
+    for a call there."""
+    client, transports = _fleet(servers, mode="full_offload", hedge=False)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_a():
+        with servers["/a"].scheduler.slot("another-robot", ("forward", MODEL)):
+            held.set()
+            release.wait(20.0)
+
+    intruder = threading.Thread(target=hold_a, daemon=True)
+    try:
+        for frame in _frames(6):                 # both servers measured idle
+            client.process(frame)
+        intruder.start()
+        assert held.wait(5.0)
+        time.sleep(4 * client.link.load_probe_s)  # a few load reports
+        before = transports["/a"].computes
+        for frame in _frames(8, seed=4):
+            y, stats = client.process(frame)
+            assert stats.executed_mode == "full_offload", stats.fallback_reason
+            assert stats.extra["pool"]["servers"] == ["/b"], client.link.figures()
+            torch.testing.assert_close(y, _local(client, frame))
+        assert transports["/a"].computes == before
+    finally:
+        release.set()
+        intruder.join(5.0)
+        client.close()
+
+
 def _latencies(client, frames, gap_s=0.05):
     out = []
     for frame in frames:
@@ -114,11 +147,14 @@ def test_a_call_to_a_slow_server_is_hedged_and_the_first_answer_wins(servers, he
     try:
         _latencies(client, _frames(10, seed=1), gap_s=0.0)      # measure both
         transports["/b"].delay_s = 1.5
+        before = transports["/b"].computes
         latencies = _latencies(client, _frames(24, seed=2))
         figures = client.link.figures()
-        slow_calls = transports["/b"].computes
+        slow_calls = transports["/b"].computes - before
         if hedge:
-            assert figures.get("hedges", 0) >= 1 and figures.get("hedges_won", 0) >= 1, figures
+            # the slow server was tried again (a frame hedged, or a copy exploring it) ...
+            assert slow_calls >= 1 and figures.get("hedges", 0) >= 1, figures
+            # ... and no frame waited for it
             assert figures["hedges"] <= 0.5 * figures["calls"] + 1
             assert max(latencies) < 1.2, (latencies, figures)
             assert figures["hedge_bytes_up"] > 0
@@ -180,3 +216,12 @@ def test_a_busy_server_sends_the_call_to_the_other(servers):
         assert client.link.figures().get("failovers", 0) >= 1
     finally:
         client.close()
+
+
+def test_a_reported_wait_that_is_no_number_of_seconds_is_ignored():
+    member = _Member("/x", link=None)
+    for bad in (float("nan"), float("inf"), -1.0, 1e9, True, "0.5", None):
+        member.note_backlog(bad, now=1.0)
+        assert member.backlog_at == float("-inf"), bad
+    member.note_backlog(0.25, now=2.0)
+    assert (member.backlog_s, member.backlog_at) == (0.25, 2.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from robot_offload import codec
-from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode
+from robot_offload.protocol import ComputeRequest, LoadModelRequest, PingRequest, StatusCode
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.server.base import RequestRejected
 from robot_offload.server.health import ServerHealth
@@ -146,14 +146,22 @@ def test_the_server_answers_busy_fast_instead_of_queueing_past_the_deadline():
     x = torch.randn(1, 3, 64, 64)
     ok = server.handle("compute", _forward_request("a", x, 5.0))
     assert ok.status == StatusCode.OK and 0.0 <= ok.server_queue_s < 0.5
+    assert ok.server_backlog_s == 0.0              # idle again as the reply left
+    assert server.handle("ping", PingRequest(client_id="a")).server_backlog_s == 0.0
     # hold the one slot, as a long request of another robot would
     release, started = threading.Event(), threading.Event()
     holder = _hold(server.scheduler, "other", key=("forward", "mobilenet_v2"), started=started, release=release)
     assert started.wait(5)
+    time.sleep(0.2)
     t0 = time.monotonic()
     busy = server.handle("compute", _forward_request("a", x, 0.05))
     assert busy.status == StatusCode.BUSY
     assert time.monotonic() - t0 < 2.0
+    # the reported wait: at least what the held slot has run (it is past its expected time)
+    assert busy.server_backlog_s >= 0.2
+    assert server.handle("ping", PingRequest(client_id="a")).server_backlog_s >= 0.2
+    refused = server.handle("compute", ComputeRequest(client_id="a", model="mobilenet_v2", entry="nope"))
+    assert refused.status == StatusCode.UNKNOWN_ENTRY and refused.server_backlog_s == 0.0
     release.set()
     holder.join(5)
     figures = server.activity()["compute"]

@@ -68,7 +68,7 @@ def compute_resp_to_srv(r: ComputeResponse) -> ComputeSrvResp:
     return ComputeSrvResp(status=_status(r), tensors=[tensor_to_msg(t) for t in r.tensors],
                           structure_json=r.structure_json, result_json=r.result_json,
                           server_compute_s=r.server_compute_s, server_total_s=r.server_total_s,
-                          server_queue_s=r.server_queue_s)
+                          server_queue_s=r.server_queue_s, server_backlog_s=r.server_backlog_s)
 
 
 def compute_resp_from_srv(m) -> ComputeResponse:
@@ -76,7 +76,7 @@ def compute_resp_from_srv(m) -> ComputeResponse:
                            tensors=[tensor_from_msg(t) for t in m.tensors],
                            structure_json=m.structure_json, result_json=m.result_json,
                            server_compute_s=m.server_compute_s, server_total_s=m.server_total_s,
-                           server_queue_s=m.server_queue_s)
+                           server_queue_s=m.server_queue_s, server_backlog_s=m.server_backlog_s)
 
 
 def ping_req_to_srv(r: PingRequest) -> PingSrvReq:
@@ -91,13 +91,14 @@ def ping_req_from_srv(m) -> PingRequest:
 
 def ping_resp_to_srv(r: PingResponse) -> PingSrvResp:
     return PingSrvResp(status=_status(r), server_id=r.server_id, loaded_models=r.loaded_models,
-                       device=r.device, payload=r.payload, versions_json=r.versions_json)
+                       device=r.device, payload=r.payload, versions_json=r.versions_json,
+                       server_backlog_s=r.server_backlog_s)
 
 
 def ping_resp_from_srv(m) -> PingResponse:
     return PingResponse(status=m.status.code, status_text=m.status.text, server_id=m.server_id,
                         loaded_models=list(m.loaded_models), device=m.device, payload=bytes(m.payload),
-                        versions_json=m.versions_json)
+                        versions_json=m.versions_json, server_backlog_s=m.server_backlog_s)
 
 
 #: the most ``InferenceStats.detail_json`` carries (bytes); longer details are cut to

@@ -97,6 +97,8 @@ class OffloadServer:
             with self._lock:
                 self.in_flight -= 1
         status = getattr(response, "status", StatusCode.OK)
+        if status in (StatusCode.OK, StatusCode.BUSY) and hasattr(response, "server_backlog_s"):
+            response.server_backlog_s = self.scheduler.backlog_s()
         if status != StatusCode.OK:
             with self._lock:
                 self.requests_failed += 1

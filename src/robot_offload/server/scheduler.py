@@ -208,6 +208,13 @@ class FairScheduler:
         with self._lock:
             return self._predicted_wait_locked(client)
 
+    def backlog_s(self) -> float:
+        """How long a request of a client with nothing waiting would wait for a slot now
+        (s): what clients learn of this server's load (``server_backlog_s`` in each compute
+        and ping reply) to balance between servers."""
+        with self._lock:
+            return self._predicted_wait_locked(None)
+
     def status(self) -> dict:
         """Slots, queue and the most recently seen clients' figures (for the health
         report and /diagnostics)."""
@@ -233,10 +240,10 @@ class FairScheduler:
         f.seen_at = self.clock()
         return f
 
-    def _predicted_wait_locked(self, client: str) -> float:
+    def _predicted_wait_locked(self, client: Optional[str]) -> float:
         if self._free > 0 and not self._waiting:
             return 0.0
-        own = self._waiting.get(client, ())
+        own = self._waiting.get(client, ()) if client is not None else ()
         ahead = sum(t.expected_s for t in own)
         for other, queue in self._waiting.items():
             if other != client:
