@@ -223,3 +223,33 @@ def test_requests_of_several_clients_run_as_one_batch_each_getting_its_own_rows(
             torch.testing.assert_close(codec.decode(replies[name].tensors[0]), model(x))
     assert server.activity()["compute"]["clients"]["r2"]["served"] == 1
     server.close()
+
+
+@pytest.mark.parametrize("wait_s, batch", [(0.0, 1), (1.0, 2)])
+def test_a_batch_waits_batch_wait_s_for_another_clients_request_to_join(wait_s, batch):
+    """With a free slot the first request leads at once; with ``batch_wait_s`` it holds
+    the slot for a request arriving a little later to join its batch."""
+    server = OffloadServer(ServerConfig(device="cpu", max_batch=4, batch_wait_s=wait_s))
+    server.handle("load_model", LoadModelRequest(client_id="a", model="mobilenet_v2"))
+    model = server.load("mobilenet_v2").module
+    inputs = {"r1": torch.randn(1, 3, 64, 64), "r2": torch.randn(1, 3, 64, 64)}
+    replies = {}
+
+    def send(client):
+        replies[client] = server.handle("compute", _forward_request(client, inputs[client], 30.0))
+    first = threading.Thread(target=send, args=("r1",), daemon=True)
+    first.start()
+    end = time.monotonic() + 10
+    while server.scheduler.status()["running"] == 0:     # r1 has the slot
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    time.sleep(0.2)
+    send("r2")
+    first.join(30)
+    batches = {c: json.loads(r.result_json)["batch"] for c, r in replies.items()}
+    assert batches == {"r1": batch, "r2": batch}, batches
+    with torch.inference_mode():
+        for c, x in inputs.items():
+            assert replies[c].status == StatusCode.OK, replies[c].status_text
+            torch.testing.assert_close(codec.decode(replies[c].tensors[0]), model(x))
+    server.close()

@@ -34,7 +34,7 @@ from typing import List
 
 import numpy as np
 
-from robot_offload.testbed._common import free_port
+from robot_offload.testbed._common import start_on_free_port
 from robot_offload.testbed.cgroup import CpuLimit, choose_mechanism
 
 FLEET_NS = "/fleet"
@@ -77,7 +77,7 @@ def summarise(robots: List[dict], duration_s: float) -> dict:
                      "fps": len(lat) / duration_s, "offloaded_fps": (len(lat) - local) / duration_s,
                      "p50_s": med[0], "p50_ci_s": med[1:], "p95_s": percentile_ci(lat, 0.95)[0],
                      "p99_s": percentile_ci(lat, 0.99)[0], **{k: r["pool"].get(k, 0) for k in (
-                         "calls", "hedges", "hedges_won", "hedge_bytes_up", "failovers")}})
+                         "calls", "hedges", "explored", "hedges_won", "hedge_bytes_up", "failovers")}})
     medians = [row["p50_s"] for row in rows if row["processed"]]
     calls = sum(row["calls"] for row in rows)
     hedges = sum(row["hedges"] for row in rows)
@@ -90,6 +90,7 @@ def summarise(robots: List[dict], duration_s: float) -> dict:
              "accounted": all(row["processed"] + row["dropped"] == row["offered"] for row in rows),
              "calls": calls, "hedges": hedges, "hedge_share": hedges / calls if calls else 0.0,
              "hedges_won": sum(row["hedges_won"] for row in rows),
+             "explored": sum(row["explored"] for row in rows),
              "hedge_mb_up": sum(row["hedge_bytes_up"] for row in rows) / 1e6,
              "failovers": sum(row["failovers"] for row in rows)}
     return {"robots": rows, "total": total}
@@ -114,6 +115,7 @@ def report_markdown(summary: dict, setup: dict) -> str:
               f"| frames computed locally | {t['local']} |",
               f"| every offered frame processed or dropped | {'yes' if t['accounted'] else 'NO'} |",
               f"| hedges: share of calls, won, extra MB up | {100 * t['hedge_share']:.1f} %, {t['hedges_won']}, {t['hedge_mb_up']:.1f} |",
+              f"| ... of them copies re-measuring a server not used lately | {t['explored']} |",
               f"| calls failed over to another server | {t['failovers']} |", ""]
     return "\n".join(lines)
 
@@ -142,19 +144,20 @@ def run(args) -> dict:
     n_robots, n_servers = (int(x) for x in args.fleet.split(":"))
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    env = dict(os.environ, ROS_MASTER_URI=f"http://127.0.0.1:{free_port()}", ROS_IP="127.0.0.1",
-               ROS_HOME=os.path.join(out, "logs"))
+    env = dict(os.environ, ROS_IP="127.0.0.1", ROS_HOME=os.path.join(out, "logs"))
     env.pop("ROS_HOSTNAME", None)
-    log = lambda name: open(os.path.join(out, "logs", name), "w")  # noqa: E731
+    log = lambda name: open(os.path.join(out, "logs", name), "a")  # noqa: E731
     procs, limits = [], []
     mechanism = choose_mechanism()
     if mechanism.kind == "threads" and args.server_cpus > 0:
         raise SystemExit(f"--server-cpus needs a writable cgroup CPU controller: {mechanism.reason}")
     try:
-        port = env["ROS_MASTER_URI"].rsplit(":", 1)[1]
-        procs.append(subprocess.Popen(["roscore", "-p", port], env=env, stdout=log("roscore.log"),
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_master(env)
+        def start_master(port):
+            env["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
+            procs.append(subprocess.Popen(["roscore", "-p", str(port)], env=env, stdout=log("roscore.log"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            return procs[-1]
+        start_on_free_port(start_master, lambda core: _wait_master(env, core))
         servers = []
         for i in range(n_servers):
             argv = ["rosrun", "robot_offload", "offload_server", f"__ns:={FLEET_NS}", f"__name:=s{i}",
@@ -239,12 +242,14 @@ def run(args) -> dict:
     return summary
 
 
-def _wait_master(env, timeout_s=60.0):
+def _wait_master(env, core, timeout_s=60.0):
     probe = [sys.executable, "-c", "import rosgraph, sys; sys.exit(0 if rosgraph.is_master_online() else 1)"]
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if subprocess.run(probe, env=env).returncode == 0:
             return
+        if core.poll() is not None:
+            raise RuntimeError("roscore exited; see logs/roscore.log")
         time.sleep(0.3)
     raise TimeoutError("roscore did not come up")
 

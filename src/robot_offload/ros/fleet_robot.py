@@ -2,12 +2,16 @@
 :class:`~robot_offload.client.OffloadClient` over every server under ``--fleet-ns``, fed
 frames by a camera clock at ``--rate-hz`` from a shared start time. A frame due while the
 previous one still runs is dropped, as the client node's newest-frame queue would, so
-every frame the camera offered is either processed or counted as dropped. Writes one JSON
+every frame the camera offered is either processed or counted as dropped. Each robot's
+camera starts at a random phase within its first period (seeded by its id): robots'
+cameras are not synchronised, and frames arriving at exactly the same instants would
+make each server's queue order, not its load, decide who waits. Writes one JSON
 file: each processed frame's start, latency, executed mode, servers and hedges."""
 
 import argparse
 import json
 import time
+import zlib
 
 import numpy as np
 import rospy
@@ -42,7 +46,7 @@ def main(argv=None):
     client.link.rediscover_s = 1.0
     if not client.connect(120.0):
         raise SystemExit(f"{args.client_id}: no offload server: {client.link.last_error}")
-    rng = np.random.default_rng(abs(hash(args.client_id)) % 2 ** 32)
+    rng = np.random.default_rng(zlib.crc32(args.client_id.encode()))
     h, w = (size or client.input_size)[:2]
     frames = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(8)]
     for frame in frames[:3]:                    # warm both sides up, not recorded
@@ -51,7 +55,9 @@ def main(argv=None):
     print("READY", flush=True)
 
     period_s = 1.0 / args.rate_hz
-    start_wall = args.start_at
+    # cameras are not synchronised: each starts at its own phase within the first period
+    phase_s = float(rng.uniform(0.0, period_s))
+    start_wall = args.start_at + phase_s
     while time.time() < start_wall:
         time.sleep(min(0.05, start_wall - time.time()))
     t_start = time.monotonic()
@@ -74,14 +80,15 @@ def main(argv=None):
         t0 = time.monotonic() - t_start
         _, stats = client.process(frame)
         pool = stats.extra.get("pool", {})
-        records.append({"t": round(t0, 4), "latency_s": round(stats.processing_s, 5),
+        # t: from the fleet's shared start, as the slow and kill events are
+        records.append({"t": round(phase_s + t0, 4), "latency_s": round(stats.processing_s, 5),
                         "mode": stats.executed_mode, "fallback": stats.fallback_reason[:120],
                         "servers": pool.get("servers", []), "hedged": pool.get("hedged", 0),
                         "hedge_won": pool.get("hedge_won", 0), "failovers": pool.get("failovers", 0),
                         "bytes_up": stats.bytes_up})
     after = client.link.figures()
     pool = {k: after.get(k, 0) - before.get(k, 0)
-            for k in ("calls", "hedges", "hedges_won", "hedge_bytes_up", "failovers")}
+            for k in ("calls", "hedges", "explored", "hedges_won", "hedge_bytes_up", "failovers")}
     with open(args.out, "w") as f:
         json.dump({"client_id": args.client_id, "rate_hz": args.rate_hz, "duration_s": args.duration_s,
                    "offered": offered, "dropped": dropped, "frames": records, "pool": pool,

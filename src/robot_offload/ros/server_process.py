@@ -11,7 +11,7 @@ import rospy
 
 from robot_offload import auth
 from robot_offload.health import process_figures
-from robot_offload.testbed._common import free_port
+from robot_offload.testbed._common import start_on_free_port
 
 
 class RosServer:
@@ -25,19 +25,11 @@ class RosServer:
         self.secret_file = secret_file
         os.environ.setdefault("ROS_HOME", os.path.join(workdir, "ros_home"))
         os.environ.setdefault("ROS_LOG_DIR", os.path.join(os.environ["ROS_HOME"], "log"))
-        # A free port can be taken between choosing it and roscore binding it ("Address
-        # already in use", seen once in CI): try again on another port.
-        for attempt in range(3):
-            port = free_port()
+        def start(port):
             os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
-            self.core = subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                self._wait_master()
-                break
-            except RuntimeError:
-                if self.core.poll() is None or attempt == 2:
-                    raise
+            return subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.core, _ = start_on_free_port(start, self._wait_master)
         rospy.init_node("soak_client", anonymous=True, disable_signals=True)
         from robot_offload.ros import logbridge
         logbridge.cache_rosout_flag()
@@ -55,11 +47,12 @@ class RosServer:
     def _log(self, name):
         return open(os.path.join(self.workdir, f"{name}.log"), "a")
 
-    def _wait_master(self, timeout_s=60):
+    @staticmethod
+    def _wait_master(core, timeout_s=60):
         import rosgraph
         end = time.monotonic() + timeout_s
         while not rosgraph.is_master_online():
-            if time.monotonic() > end or self.core.poll() is not None:
+            if time.monotonic() > end or core.poll() is not None:
                 raise RuntimeError("roscore did not start; see roscore.log")
             time.sleep(0.2)
 

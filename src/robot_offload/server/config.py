@@ -54,6 +54,9 @@ class ServerConfig:
     # to this many (1: each alone). Batched outputs equal single ones within float rounding
     # (not bit for bit), hence off by default.
     max_batch: int = 1
+    # How long a request that could lead a batch holds its slot for others to join (s); 0:
+    # a batch is what already waits. Bounded by the request's own deadline.
+    batch_wait_s: float = 0.0
 
     def validate(self) -> "ServerConfig":
         if min(self.max_session_mib, self.max_sessions, self.max_sessions_per_client,
@@ -62,6 +65,8 @@ class ServerConfig:
                               "and session_idle_s must be positive")
         if self.compute_slots <= 0 or self.max_queued_per_client <= 0 or not 1 <= self.max_batch <= 64:
             raise ConfigError("compute_slots and max_queued_per_client must be positive, max_batch in 1..64")
+        if not 0.0 <= self.batch_wait_s <= 1.0:
+            raise ConfigError(f"batch_wait_s must be in 0..1 s, got {self.batch_wait_s}")
         if self.max_sandboxes <= 0 or not self.max_request_s > 0:
             raise ConfigError("max_sandboxes and max_request_s must be positive")
         if not (self.max_request_gflop > 0 and self.client_gflop_per_s > 0):

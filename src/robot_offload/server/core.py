@@ -295,7 +295,7 @@ class OffloadServer:
         with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model), req.deadline_s,
                                  batch_key=batch_key, payload=x) as ticket:
             if ticket.leader is None:
-                members = self.scheduler.gather(ticket, self.config.max_batch - 1)
+                members = self.scheduler.gather(ticket, self.config.max_batch - 1, self.config.batch_wait_s)
                 t1 = time.perf_counter()
                 try:
                     outputs = run_batch(self, loaded, [x] + [m.payload for m in members])

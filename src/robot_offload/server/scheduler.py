@@ -23,9 +23,10 @@ the best use of one GPU, or of the CPU's threads).
 * **Batches** (``max_batch`` > 1). When a request of a batchable entry (``forward``,
   ``forward_image``) gets a slot, the first waiting request of each other client with the
   same model and input shape joins it, in turn order, up to ``max_batch`` in all: one
-  forward for all of them, each client getting its own rows. The bounded wait for a
-  batch is none: a batch is what is already waiting when a slot frees, so an idle
-  server adds no latency, and a busy one batches the most.
+  forward for all of them, each client getting its own rows. By default a batch is what
+  already waits when a slot frees, so an idle server adds no latency and a busy one
+  batches the most; with ``batch_wait_s`` the request holds its slot up to that long
+  (never past its own deadline) for other clients' requests to join.
 * **Bounds.** At most ``max_queued_per_client`` requests of one client wait at once (a
   further one is BUSY), and per-client figures are kept for at most ``max_clients``
   clients (least recently seen dropped).
@@ -111,6 +112,7 @@ class FairScheduler:
         self.max_clients = max_clients
         self.clock = clock
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)     # notified when a request queues
         self._free = slots
         # clients with waiting requests, in turn order (the next served is the first)
         self._waiting: "OrderedDict[str, Deque[_Ticket]]" = OrderedDict()
@@ -142,30 +144,36 @@ class FairScheduler:
         finally:
             self._release(ticket)
 
-    def gather(self, leader: _Ticket, most: int) -> List[_Ticket]:
+    def gather(self, leader: _Ticket, most: int, wait_s: float = 0.0) -> List[_Ticket]:
         """Up to ``most`` requests of *other* clients waiting with ``leader``'s batch key,
         each the first in its client's queue, taken in the clients' turn order: they run
         in ``leader``'s batch (each client's own requests stay in order, and a batch gives
-        every client in it its turn). The caller hands each its outcome with
-        :meth:`finish`."""
+        every client in it its turn). While fewer are there, wait up to ``wait_s`` for more
+        to arrive, but never so long that ``leader`` would miss its own deadline. The
+        caller hands each its outcome with :meth:`finish`."""
         taken: List[_Ticket] = []
         if leader.batch_key is None or most <= 0:
             return taken
-        with self._lock:
-            now = self.clock()
-            for client, queue in list(self._waiting.items()):
-                if len(taken) >= most:
+        with self._arrived:
+            end = self.clock() + min(wait_s, leader.deadline_at - self.clock() - leader.expected_s)
+            while True:
+                now = self.clock()
+                for client, queue in list(self._waiting.items()):
+                    if len(taken) >= most:
+                        break
+                    if client == leader.client or queue[0].batch_key != leader.batch_key:
+                        continue
+                    ticket = queue.popleft()
+                    if queue:
+                        self._waiting.move_to_end(client)
+                    else:
+                        del self._waiting[client]
+                    ticket.leader = leader
+                    ticket.started_at = now
+                    taken.append(ticket)
+                if len(taken) >= most or now >= end:
                     break
-                if client == leader.client or queue[0].batch_key != leader.batch_key:
-                    continue
-                ticket = queue.popleft()
-                if queue:
-                    self._waiting.move_to_end(client)
-                else:
-                    del self._waiting[client]
-                ticket.leader = leader
-                ticket.started_at = now
-                taken.append(ticket)
+                self._arrived.wait(end - now)
             leader.batch_size = 1 + len(taken)
             for ticket in taken:
                 ticket.batch_size = leader.batch_size
@@ -279,6 +287,7 @@ class FairScheduler:
             ticket = _Ticket(client, key, expected, now + bound, now, batch_key=batch_key, payload=payload)
             self._waiting.setdefault(client, deque()).append(ticket)
             self._dispatch_locked()
+            self._arrived.notify_all()
         return ticket
 
     def _wait(self, ticket: _Ticket) -> None:

@@ -35,6 +35,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_on_free_port(start, wait, attempts: int = 3):
+    """Start a process listening on a free port (a roscore): ``start(port)`` -> Popen,
+    ``wait(proc)`` returns once it answers and raises once it has exited. A port chosen
+    free can be taken before the process binds it ("Address already in use"): then try
+    another. Returns (proc, port)."""
+    for attempt in range(attempts):
+        port = free_port()
+        proc = start(port)
+        try:
+            wait(proc)
+            return proc, port
+        except (RuntimeError, TimeoutError):
+            if proc.poll() is None or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def unique_base(prefix=PREFIX):
     """``prefix-<pid>-<n>``: unique within this host while this process lives."""
     return f"{prefix}-{os.getpid()}-{next(_seq)}"
