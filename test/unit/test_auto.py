@@ -192,3 +192,40 @@ def test_lop_frames_that_solved_or_profiled_are_no_sample(shared_server, profile
         assert later.extra["lop"]["timed"] is True and auto.choice.error_samples(lop_option) == 1
     finally:
         client.close()
+
+
+def test_frames_are_offloaded_while_the_plans_are_prepared_in_the_background(shared_server, tmp_path):
+    """The first frames of a shape do not wait for its profile and schedules (seconds on
+    an idle robot, minutes on a loaded one): those are prepared on a background thread
+    while the camera image is offloaded, with local's outputs; then auto chooses as usual."""
+    client = _client(shared_server, "resnet18", str(tmp_path))      # nothing cached
+    auto = client._get_backend("auto")
+    auto.lop.calibration_inputs, auto.lop.profile_repeats = 4, 3    # a preparation of seconds
+    try:
+        client.predicted_bandwidth_bps = 100e6
+        frame = _frame(client.spec, client.input_size, seed=3)
+        _, first = client.process(frame)
+        preparing = auto._preparing[auto._shape()]
+        assert preparing.is_alive(), "the first frame waited for the preparation"
+        assert first.executed_mode == "auto" and first.extra["auto"]["candidate"] == "full_offload_image"
+        assert "background" in first.extra["auto"]["reason"]
+        frames = [_frame(client.spec, client.input_size, seed=10 + k) for k in range(3)]
+        buffer = frames[0].copy()
+        chosen, k = [], 0
+        while len(chosen) < 2:
+            assert k < 400, "auto never chose after the preparation"
+            np.copyto(buffer, frames[k % 3])      # a camera loop that reuses its buffer
+            y, stats = client.process(buffer)
+            assert stats.executed_mode == "auto", stats.fallback_reason
+            with torch.inference_mode():
+                ref = client.model(client.preprocess(frames[k % 3]))
+            assert_same_up_to_summation_order(y, ref, stats.plan)
+            if "predicted" in stats.extra["auto"]:
+                chosen.append(stats.extra["auto"]["candidate"])
+            else:      # decided while the preparation was under way
+                assert "background" in stats.extra["auto"]["reason"], stats.extra["auto"]
+            k += 1
+        preparing.join(5)
+        assert not preparing.is_alive() and auto._prepare_failed == {}
+    finally:
+        client.close()

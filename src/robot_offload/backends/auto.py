@@ -26,6 +26,7 @@ candidate, the reason, and the predicted cost of each candidate.
 """
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -66,6 +67,9 @@ class AutoBackend(Backend):
     #: a candidate never measured is timed when predicted at most this many times the
     #: leader's latency (see :meth:`_first_probe`)
     first_probe_factor = 3.0
+    #: while a shape's plans are prepared, the image is offloaded when its upload takes at
+    #: most this share of the deadline (see :meth:`_while_preparing`)
+    prepare_upload_share = 0.5
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -73,6 +77,8 @@ class AutoBackend(Backend):
         self.full = FullOffloadBackend(ctx)
         self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
         self._up_ratio = 1.0    # bytes sent / image bytes of the last image offload (compression)
+        self._preparing: Dict[tuple, threading.Thread] = {}   # shape -> its background preparation
+        self._prepare_failed: Dict[tuple, str] = {}           # shape -> why it failed
 
     # -- tensors: only lop's candidates exist ------------------------------------------
     def infer(self, x, stats, timeout_s):
@@ -87,9 +93,10 @@ class AutoBackend(Backend):
         why_not = self.full.frame_refusal(frame)
         if why_not:     # full offload would send the tensor: one of lop's own cuts
             return self._run_lop(frame, stats, timeout_s, f"only candidate (image offload: {why_not})")
-        st = self.lop._states.get(self._shape())
-        if st is None:      # the first frame of the shape measures the profile: lop's
-            return self._run_lop(frame, stats, timeout_s, "first frame (measures the profile)")
+        shape = self._shape()
+        st = self.lop._states.get(shape)
+        if st is None or shape not in self.lop._lop:
+            return self._while_preparing(frame, stats, timeout_s)
         bw = self.lop.frame_bandwidth(stats)
         i = st.table.index(bw)
         objective = "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
@@ -126,6 +133,49 @@ class AutoBackend(Backend):
             detail["medians_ms"] = self.choice.last.get("medians_ms", {})
         self._mark(stats, chosen.key, reason, detail)
         return y
+
+    def _while_preparing(self, frame, stats, timeout_s):
+        """A frame of a shape whose profile and schedules are not there yet. They take
+        seconds on an idle robot (minutes on an oversubscribed one), so they are prepared
+        on a background thread while the camera image is offloaded, when its upload at the
+        predicted bandwidth takes at most :attr:`prepare_upload_share` of the deadline.
+        Otherwise (a slow link, or preparing failed) the frame is lop's first, which
+        prepares them itself, as a frame that cannot be offloaded must wait for them."""
+        shape = self._shape()
+        bw = self.lop.frame_bandwidth(stats)
+        upload_s = 8.0 * frame.nbytes / bw
+        if shape not in self._prepare_failed and upload_s <= self.prepare_upload_share * timeout_s:
+            self._start_preparing(shape, frame)
+            y = self.full.infer_frame(frame, stats, timeout_s)
+            self._mark(stats, IMAGE, "the plans of this input shape are being prepared in the "
+                       "background (profile, schedules): the camera image is offloaded meanwhile",
+                       {"bandwidth_bps": bw})
+            return y
+        preparing = self._preparing.get(shape)
+        if preparing is not None and preparing.is_alive():
+            preparing.join()           # not twice at once: wait for the one under way
+            if shape in self.lop._lop:
+                return self.infer_frame(frame, stats, timeout_s)
+        return self._run_lop(frame, stats, timeout_s, "first frame (prepares the profile and schedules)")
+
+    def _start_preparing(self, shape, frame) -> None:
+        if shape in self._preparing:
+            return
+        # the model input made now, on the frame's thread: the caller may reuse its buffer
+        x = self.ctx.spec.preprocess(frame, self.ctx.input_size).clone()
+
+        def prepare():
+            t0 = time.perf_counter()
+            try:
+                self.lop.lop_state(x)
+            except Exception as e:  # noqa: BLE001 - a failure must reach the frames, not kill the node
+                log.exception("auto: preparing the plans of %s failed; its next frame prepares them", shape)
+                self._prepare_failed[shape] = f"{type(e).__name__}: {e}"
+                return
+            log.info("auto: plans of %s prepared in the background in %.1f s", shape, time.perf_counter() - t0)
+        thread = threading.Thread(target=prepare, name="auto-prepare", daemon=True)
+        self._preparing[shape] = thread
+        thread.start()
 
     def _first_probe(self, ranked):
         """A candidate measured on fewer than ``min_samples`` frames in any bucket and

@@ -37,6 +37,7 @@ bucket, because a plan never times the side it does not run on.
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
@@ -90,6 +91,7 @@ class PartitionKnowledge:
         self.refresh = refresh      # measure profiles again instead of loading the cache
         self.fresh: set = set()     # shapes measured afresh since the last refresh request
         self.users = 0              # open backends; the last to close saves the profiles
+        self.building = threading.Lock()   # held while a shape's state is made
 
     @classmethod
     def of(cls, ctx) -> "PartitionKnowledge":
@@ -137,29 +139,37 @@ class LayerPartitionBackend(Backend):
         shape = self.shape_key(x)
         st = self._states.get(shape)
         if st is None:
-            c = self.ctx.config
-            kw = dict(codecs=tuple(c.partition_codecs) or DEFAULT_CODECS,
-                      compressions=tuple(c.partition_compressions) or DEFAULT_COMPRESSIONS,
-                      repeats=self.profile_repeats)
-            args = (c.profile_dir, self.graph, self.ctx.spec.name, self._weights_hash(),
-                    self._calibration(x))
-            known = self.known
-            profile = load_or_build(*args, refresh=known.refresh and shape not in known.fresh, **kw)
-            known.fresh.add(shape)
-            if not self._cuts_exist(profile):
-                log.warning("the cached profile names cuts this graph does not have; measuring again")
-                profile = load_or_build(*args, refresh=True, **kw)
-            cfg = self.planner_config()
-            # a drift sample weighs its profiled time against the whole forward's
-            tracker = DriftTracker(threshold=c.replan_threshold, reference_s={
-                "robot": profile.forward_s, "server": profile.forward_s / cfg.server_speedup})
-            factor = profile.server_factor(cfg.server_speedup, device=self._device())
-            if factor is not None:
-                cfg = replace(cfg, server_load=factor)
-                tracker.assume("server", factor)
-            measured = MeasuredChoice.from_client_config(c)
-            st = _ShapeState(profile, cfg, PlanTable(profile, cfg), tracker, measured)
-            self._states[shape] = st
+            with self.known.building:     # auto may be preparing it on another thread
+                st = self._states.get(shape)
+                if st is None:
+                    st = self._build_state(x, shape)
+        return st
+
+    def _build_state(self, x: torch.Tensor, shape) -> _ShapeState:
+        """Measure (or load) the profile of ``shape`` and make its plans."""
+        c = self.ctx.config
+        kw = dict(codecs=tuple(c.partition_codecs) or DEFAULT_CODECS,
+                  compressions=tuple(c.partition_compressions) or DEFAULT_COMPRESSIONS,
+                  repeats=self.profile_repeats)
+        args = (c.profile_dir, self.graph, self.ctx.spec.name, self._weights_hash(),
+                self._calibration(x))
+        known = self.known
+        profile = load_or_build(*args, refresh=known.refresh and shape not in known.fresh, **kw)
+        known.fresh.add(shape)
+        if not self._cuts_exist(profile):
+            log.warning("the cached profile names cuts this graph does not have; measuring again")
+            profile = load_or_build(*args, refresh=True, **kw)
+        cfg = self.planner_config()
+        # a drift sample weighs its profiled time against the whole forward's
+        tracker = DriftTracker(threshold=c.replan_threshold, reference_s={
+            "robot": profile.forward_s, "server": profile.forward_s / cfg.server_speedup})
+        factor = profile.server_factor(cfg.server_speedup, device=self._device())
+        if factor is not None:
+            cfg = replace(cfg, server_load=factor)
+            tracker.assume("server", factor)
+        measured = MeasuredChoice.from_client_config(c)
+        st = _ShapeState(profile, cfg, PlanTable(profile, cfg), tracker, measured)
+        self._states[shape] = st
         return st
 
     def _device(self) -> str:
