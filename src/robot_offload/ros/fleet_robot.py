@@ -66,7 +66,7 @@ def main(argv=None):
     records = []
     while True:
         now = time.monotonic() - t_start
-        if due >= args.duration_s:
+        if phase_s + due >= args.duration_s:    # every robot's camera stops at the shared end
             break
         if now < due:
             time.sleep(due - now)
