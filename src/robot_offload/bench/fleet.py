@@ -14,8 +14,13 @@ master, real ``offload_server`` nodes and one ROS node per robot
 * Each robot offers frames at ``--rate-hz`` (robot 0 at ``--fast-factor`` times that) from
   one shared start; a frame due while the last one runs is dropped, as the client node's
   newest-frame queue would, so offered = processed + dropped for every robot.
-* The links are loopback, unshaped: this measures how servers share their compute among
-  robots, not a wireless link (the two-machine testbed does that).
+* The links are loopback, unshaped by default: this measures how servers share their
+  compute among robots, not a wireless link. ``--robot-links indoor,outdoor,const:20``
+  (one trace per robot, as ``bench --traces`` names them, cycled over the robots) puts
+  each robot in its own network namespace with its own veth link to the host, where the
+  master and the servers stay, shaped both ways (htb) and replaying its trace from the
+  shared start (:class:`~robot_offload.testbed.star.StarTestbed`; root only: without
+  namespaces the run is refused, never silently unshaped).
 
 Writes ``results.json`` (every frame of every robot) and ``report.md``: per robot and in
 all, frames processed per second, latency median / P95 / P99 with a 95 % interval of the
@@ -34,8 +39,12 @@ from typing import List
 
 import numpy as np
 
-from robot_offload.testbed._common import start_on_free_port
+from robot_offload.errors import ConfigError
+from robot_offload.testbed import traces as tr
+from robot_offload.testbed._common import TestbedError, start_on_free_port
 from robot_offload.testbed.cgroup import CpuLimit, choose_mechanism
+from robot_offload.testbed.netns import TraceReplayer
+from robot_offload.testbed.star import StarTestbed
 
 FLEET_NS = "/fleet"
 
@@ -47,6 +56,32 @@ def _event(text: str, with_factor: bool):
         index, factor = head.split(":")
         return int(index), float(factor), float(at)
     return int(head), 1.0, float(at)
+
+
+def robot_link_specs(text: str, n_robots: int) -> List[str]:
+    """``--robot-links`` -> one trace spec per robot (the list cycled over the robots);
+    ConfigError for a spec :func:`~robot_offload.testbed.traces.from_spec` rejects."""
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise ConfigError("--robot-links: no trace given (e.g. indoor,outdoor,const:20)")
+    for spec in dict.fromkeys(specs):
+        tr.from_spec(spec, 1.0)
+    return [specs[j % len(specs)] for j in range(n_robots)]
+
+
+def _run_rates(trace, duration_s: float):
+    """The trace's rates (bit/s) over the run's ``duration_s`` from the shared start."""
+    return trace.rates_bps[:max(1, int(round(duration_s / trace.step_s)))]
+
+
+def link_text(specs: List[str], trace_list, duration_s: float) -> str:
+    """The report's ``link`` entry for shaped per-robot links."""
+    parts = []
+    for j, (spec, trace) in enumerate(zip(specs, trace_list)):
+        rates = _run_rates(trace, duration_s)
+        steady = float(rates.min()) == float(rates.max())
+        parts.append(f"robot{j} {spec}" + ("" if steady else f" (mean {rates.mean() / 1e6:.0f} Mbit/s over the run)"))
+    return ("own namespace and veth per robot, htb both ways, TCP goodput: " + "; ".join(parts))
 
 
 def percentile_ci(values, q, level=0.95):
@@ -142,18 +177,35 @@ def plot(robots: List[dict], events: List[tuple], path: str) -> None:
 
 def run(args) -> dict:
     n_robots, n_servers = (int(x) for x in args.fleet.split(":"))
+    try:
+        specs = robot_link_specs(args.robot_links, n_robots) if args.robot_links else []
+        # the replay starts at the shared start; the last frames may end a timeout later
+        trace_list = [tr.from_spec(s, args.duration_s + args.timeout_s + 30.0) for s in specs]
+    except ConfigError as e:
+        raise SystemExit(str(e))
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     env = dict(os.environ, ROS_IP="127.0.0.1", ROS_HOME=os.path.join(out, "logs"))
     env.pop("ROS_HOSTNAME", None)
     log = lambda name: open(os.path.join(out, "logs", name), "a")  # noqa: E731
-    procs, limits = [], []
+    procs, limits, replayers = [], [], []
+    star = None
     mechanism = choose_mechanism()
     if mechanism.kind == "threads" and args.server_cpus > 0:
         raise SystemExit(f"--server-cpus needs a writable cgroup CPU controller: {mechanism.reason}")
     try:
+        if specs:
+            try:
+                star = StarTestbed(n_robots, fallback=False).open()
+            except TestbedError as e:
+                raise SystemExit(f"--robot-links needs a network namespace per robot (root, ip, tc, "
+                                 f"nsenter); refusing to run unshaped: {e}")
+            env["ROS_IP"] = star.server_ip      # master and servers advertise the star's centre
+            for j, trace in enumerate(trace_list):
+                star.set_rate(j, float(trace.rates_bps[0]))
+
         def start_master(port):
-            env["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
+            env["ROS_MASTER_URI"] = f"http://{env['ROS_IP']}:{port}"
             procs.append(subprocess.Popen(["roscore", "-p", str(port)], env=env, stdout=log("roscore.log"),
                                           stderr=subprocess.STDOUT, start_new_session=True))
             return procs[-1]
@@ -185,8 +237,12 @@ def run(args) -> dict:
                     "--duration-s", str(args.duration_s), "--timeout-s", str(args.timeout_s),
                     "--balance", args.balance, "--hedge", str(int(args.hedge)),
                     "--hedge-budget", str(args.hedge_budget), "--out", os.path.join(out, f"robot{j}.json")]
-            robots.append(subprocess.Popen(argv, env=env, stdout=log(f"robot{j}.log"), stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+            if star is not None:        # in its own namespace, advertising its own address
+                robots.append(star.run(j, argv, env=dict(env, ROS_IP=star.robot_ip(j)),
+                                       stdout=log(f"robot{j}.log"), stderr=subprocess.STDOUT))
+            else:
+                robots.append(subprocess.Popen(argv, env=env, stdout=log(f"robot{j}.log"),
+                                               stderr=subprocess.STDOUT, start_new_session=True))
         procs += robots
         events = sorted([("slow", *_event(e, True)) for e in args.slow] +
                         [("kill", *_event(e, False)) for e in args.kill], key=lambda e: e[3])
@@ -194,7 +250,10 @@ def run(args) -> dict:
         while time.time() < start_at:
             if any(p.poll() not in (None, 0) for p in robots):
                 raise SystemExit("a robot failed before the start; see logs/robot*.log")
-            time.sleep(0.1)
+            time.sleep(min(0.1, max(0.0, start_at - time.time())))
+        for j, trace in enumerate(trace_list):
+            replayers.append(TraceReplayer(star.link(j), trace))
+            replayers[-1].start()
         for what, index, factor, at in events:
             while time.time() < start_at + at:
                 time.sleep(0.05)
@@ -209,7 +268,11 @@ def run(args) -> dict:
             p.wait(timeout=args.duration_s + args.ready_s + 300)
         if any(p.returncode != 0 for p in robots):
             raise SystemExit("a robot failed; see logs/robot*.log")
+        for rp in replayers:
+            rp.stop()
     finally:
+        for rp in replayers:
+            rp.stop()
         for p in reversed(procs):
             if p.poll() is None:
                 try:
@@ -220,6 +283,8 @@ def run(args) -> dict:
                         os.killpg(p.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+        if star is not None:
+            star.close()
         for lim in limits:
             lim.close()
     robots_data = []
@@ -233,9 +298,19 @@ def run(args) -> dict:
              "compute_slots": args.compute_slots, "max_batch": args.max_batch, "balance": args.balance,
              "hedge": f"{args.hedge} (budget {args.hedge_budget:g})", "timeout s": args.timeout_s,
              "duration s": args.duration_s, "events": "; ".join(f"{w} at {t:g} s" for w, t in done_events) or "none",
-             "link": "loopback, unshaped"}
+             "link": link_text(specs, trace_list, args.duration_s) if specs else "loopback, unshaped"}
+    results = {"setup": setup, "summary": summary, "robots": robots_data}
+    if specs:   # each robot's link: its trace and how the replay went
+        results["links"] = [{"robot": f"robot{j}", "trace": spec, "trace_name": trace.name,
+                             "run_mean_mbps": float(_run_rates(trace, args.duration_s).mean()) / 1e6,
+                             "steps_applied": len(rp.applied), "late_steps": rp.late_steps,
+                             "error": None if rp.error is None else str(rp.error)}
+                            for j, (spec, trace, rp) in enumerate(zip(specs, trace_list, replayers))]
+        failed = [f"{x['robot']}: {x['error']}" for x in results["links"] if x["error"]]
+        if failed:
+            setup["link"] += " -- REPLAY FAILED: " + "; ".join(failed)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"setup": setup, "summary": summary, "robots": robots_data}, f)
+        json.dump(results, f)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(report_markdown(summary, setup))
     plot(robots_data, done_events, os.path.join(out, "latency.png"))
@@ -279,6 +354,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slow", action="append", default=[], metavar="I:F@T",
                     help="divide server I's CPU quota by F at T s into the run")
     ap.add_argument("--kill", action="append", default=[], metavar="I@T", help="SIGKILL server I at T s")
+    ap.add_argument("--robot-links", default="", metavar="TRACE,...",
+                    help="shape each robot's own link (namespace + veth, htb both ways; root): one "
+                         "trace per robot, cycled (const:MBPS, indoor, outdoor, steps, walk (NAME:SEED), "
+                         "iperf:PATH, csv:PATH; a name twice is the same trace at the same times, "
+                         "outdoor:1,outdoor:2 are two); default: loopback, unshaped")
     ap.add_argument("--out", default="bench-fleet")
 
 

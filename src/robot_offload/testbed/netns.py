@@ -183,7 +183,100 @@ def qdisc_rate_bps(qdisc):
     return None
 
 
-class Testbed:
+class NamespaceLifecycle:
+    """Opening and closing a testbed of namespaces (:class:`Testbed`, and
+    :class:`~robot_offload.testbed.star.StarTestbed`): registered for cleanup at exit and on
+    signals, built by the subclass's ``_build`` (``_teardown`` undoes it, also of a build
+    that failed half way), else loopback with ``reason`` saying why (or TestbedError with
+    ``fallback=False``); then ``_apply_wanted`` sets the rates asked for at construction.
+    ``close()`` stops replayers and processes and removes everything built."""
+
+    label = "testbed"
+
+    def _init_lifecycle(self):
+        self.shaped = False
+        self.reason = "not opened"
+        self._created_ns = []          # namespaces made, removed at close
+        self._procs = []               # processes started in them
+        self._replayers = []
+        self._lock = threading.RLock()
+        self._opened = False
+        self._closed = False
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    def _stop_started(self):
+        """Stop the trace replayers and the processes started in the namespaces."""
+        for rp in list(self._replayers):
+            rp.stop()
+        for proc in self._procs:
+            _stop_process_group(proc)
+        self._procs.clear()
+
+    def _require_open(self):
+        if not self._opened or self._closed:
+            raise TestbedError(f"{self.label} is not open (use it as a context manager)")
+
+    def _popen(self, cmd, env, cpu_limit, popen_kwargs):
+        """Start ``cmd`` (in ``cpu_limit``'s cgroup from its start, if given; ``env``
+        over this process's environment) in a session of its own, stopped by ``close()``."""
+        if cpu_limit is not None:
+            cmd = cpu_limit.wrap(cmd)
+        if env is not None:
+            env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+        popen_kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(cmd, env=env, **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def open(self):
+        if self._opened:
+            return self
+        self._opened = True
+        _register(self)
+        why = "loopback requested" if self._loopback else _cannot_namespace()
+        if why is None:
+            try:
+                self._build()
+                self.shaped = True
+                self.reason = self._describe()
+            except TestbedError as e:
+                self._teardown()
+                why = f"could not build namespaces: {e}"
+            except BaseException:  # Ctrl-C while building: `with` will not call __exit__
+                self.close()
+                raise
+        if why is not None:
+            if not self._fallback and not self._loopback:
+                self.close()
+                raise TestbedError(why)
+            self.shaped = False
+            self.reason = f"loopback, unshaped: {why}"
+            log.warning("%s: %s", self.label, self.reason)
+        try:
+            self._apply_wanted()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._teardown()
+        finally:
+            _unregister(self)
+
+
+class Testbed(NamespaceLifecycle):
     """Two namespaces (robot, server) joined by a veth pair; see the module docstring.
 
     ``fallback=False`` raises TestbedError instead of falling back to loopback;
@@ -240,18 +333,11 @@ class Testbed:
         self._tun_host_names = {side: f"ro{base.split('-', 1)[1]}{side[0]}" for side in SIDES}
         self._relay = None
 
-        self.shaped = False
-        self.reason = "not opened"
+        self._init_lifecycle()
         self.netem = False
         self.rate_bps = None
         self.down_bps = None
         self.delay_s = 0.0
-        self._created_ns = []
-        self._procs = []
-        self._replayers = []
-        self._lock = threading.RLock()
-        self._opened = False
-        self._closed = False
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -281,62 +367,17 @@ class Testbed:
         return {"robot": self.robot_if, "server": self.server_if}[_check_side(side)]
 
     # -- lifecycle --------------------------------------------------------------------
-    def __enter__(self):
-        self.open()
-        return self
+    def _describe(self):
+        return (f"namespaces {self.robot_ns} / {self.server_ns}, {self.qdisc_kind} rate limit, "
+                + ("TUN devices, delay by a user-space relay" if self.link == "tun"
+                   else "netem available for delay" if self.netem
+                   else "no netem in this kernel: no added delay"))
 
-    def __exit__(self, exc_type, exc, tb):
-        self.close()
-        return False
-
-    def open(self):
-        if self._opened:
-            return self
-        self._opened = True
-        _register(self)
-        why = "loopback requested" if self._loopback else _cannot_namespace()
-        if why is None:
-            try:
-                self._build()
-                self.shaped = True
-                self.reason = (f"namespaces {self.robot_ns} / {self.server_ns}, "
-                               f"{self.qdisc_kind} rate limit, "
-                               + ("TUN devices, delay by a user-space relay"
-                                  if self.link == "tun"
-                                  else "netem available for delay" if self.netem
-                                  else "no netem in this kernel: no added delay"))
-            except TestbedError as e:
-                self._teardown()
-                why = f"could not build namespaces: {e}"
-            except BaseException:  # Ctrl-C while building: `with` will not call __exit__
-                self.close()
-                raise
-        if why is not None:
-            if not self._fallback and not self._loopback:
-                self.close()
-                raise TestbedError(why)
-            self.shaped = False
-            self.reason = f"loopback, unshaped: {why}"
-            log.warning("testbed: %s", self.reason)
-        try:
-            if self._want_rate is not None:
-                self.set_rate(self._want_rate)
-            if self._want_delay:
-                self.set_delay(self._want_delay)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def close(self):
-        """Stop replayers and processes, delete the veth pair and both namespaces."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._teardown()
-        finally:
-            _unregister(self)
+    def _apply_wanted(self):
+        if self._want_rate is not None:
+            self.set_rate(self._want_rate)
+        if self._want_delay:
+            self.set_delay(self._want_delay)
 
     def _build(self):
         self._ip("netns", "add", self.robot_ns)
@@ -407,11 +448,7 @@ class Testbed:
         return _netem_probe["ok"]
 
     def _teardown(self):
-        for rp in list(self._replayers):
-            rp.stop()
-        for proc in self._procs:
-            _stop_process_group(proc)
-        self._procs.clear()
+        self._stop_started()
         self._stop_relay()
         if self._created_ns:
             for ns in self._created_ns:
@@ -546,18 +583,7 @@ class Testbed:
         argv = [str(a) for a in argv]
         cmd = (["nsenter", f"--net={os.path.join(NETNS_DIR, self.ns(side))}", "--", *argv]
                if self.shaped else argv)
-        if cpu_limit is not None:
-            cmd = cpu_limit.wrap(cmd)
-        if env is not None:
-            env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-        popen_kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(cmd, env=env, **popen_kwargs)
-        self._procs.append(proc)
-        return proc
-
-    def _require_open(self):
-        if not self._opened or self._closed:
-            raise TestbedError("testbed is not open (use it as a context manager)")
+        return self._popen(cmd, env, cpu_limit, popen_kwargs)
 
 
 class TraceReplayer(threading.Thread):
