@@ -21,8 +21,10 @@ transport, model load, version check and reconnect prober.
   fails is skipped for the rest of the call, which goes on to the next one while the
   frame's deadline allows; one that fails is marked down (its prober brings it back).
 * **Hedging.** When a balanced call has not answered after the ``hedge_percentile`` of
-  this client's recent round trips to the fastest server, the same request goes to a second
-  server and the first answer wins. The loser is abandoned: the client stops waiting,
+  this client's recent round trips to the fastest server, and has already waited longer
+  than a second server is predicted to take (its reported queue included: when every
+  server is busy a copy only adds work, so the hedge waits until it would pay), the same
+  request goes to that server and the first answer wins. The loser is abandoned: the client stops waiting,
   and the server drops it unstarted once its deadline passes (``deadline_s``,
   :mod:`robot_offload.server.scheduler`). Hedges are at most ``hedge_budget`` of the
   calls (over the last :data:`BUDGET_WINDOW`); their count, wins and extra bytes are in
@@ -388,6 +390,10 @@ class ServerPool:
             best = min(p for p, _ in predicted)
             return self._random.choice([m for p, m in predicted if p <= best * (1 + NEAR_BEST)])
 
+    def _predicted_now(self, m: _Member) -> float:
+        with self._lock:
+            return m.predicted_s(self.clock())
+
     def _explore_locked(self, first: _Member, now: float) -> Optional[_Member]:
         """With hedging on, a server not used for ``explore_after_s`` is measured again by
         sending it a copy of a call (the first answer wins, so the frame does not wait for
@@ -485,6 +491,7 @@ class ServerPool:
         if first is None:
             raise ServerUnavailable(f"no offload server available: {self.last_error}")
         start(first)
+        sent_at = self.clock()
         with self._lock:
             explore = self._explore_locked(first, self.clock())
         if explore is not None:
@@ -524,13 +531,18 @@ class ServerPool:
                         with self._lock:
                             self._figures["hedges_won"] += 1
                     return response
-                if not hedged and hedge_at is not None and self.clock() >= hedge_at and running:
-                    hedged = True
+                now = self.clock()
+                if not hedged and hedge_at is not None and now >= hedge_at and running:
                     second = self._pick(exclude=tried)
-                    if second is not None:
-                        sent_hedge = True
+                    waited_s = now - sent_at
+                    if second is None:
+                        hedged = True
+                    elif self._predicted_now(second) < waited_s:
+                        hedged = sent_hedge = True
                         self._count_hedge(report, request)
                         start(second)
+                    else:       # it would answer no sooner: look again as the call goes on
+                        hedge_at = now + max(0.25 * (hedge_at - sent_at), 0.005)
         finally:
             with self._lock:
                 self._figures["calls"] += 1

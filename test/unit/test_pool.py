@@ -225,3 +225,35 @@ def test_a_reported_wait_that_is_no_number_of_seconds_is_ignored():
         assert member.backlog_at == float("-inf"), bad
     member.note_backlog(0.25, now=2.0)
     assert (member.backlog_s, member.backlog_at) == (0.25, 2.0)
+
+
+def test_no_hedge_goes_to_a_server_that_would_answer_no_sooner(servers):
+    """A late call is copied to a second server only once it has waited longer than that
+    server is predicted to take, its reported queue included: a copy to a server busy with
+    other robots' work would only add to it."""
+    client, transports = _fleet(servers, mode="full_offload", hedge=True, hedge_budget=0.5)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_b():
+        with servers["/b"].scheduler.slot("another-robot", ("forward", MODEL)):
+            held.set()
+            release.wait(30.0)
+
+    intruder = threading.Thread(target=hold_b, daemon=True)
+    try:
+        _latencies(client, _frames(16, seed=5), gap_s=0.0)      # both measured, fast
+        transports["/a"].delay_s = 0.4
+        intruder.start()
+        assert held.wait(5.0)
+        time.sleep(1.0 + 4 * client.link.load_probe_s)          # /b's wait grows and is reported
+        before = client.link.figures().get("hedges", 0)
+        assert client.link._hedge_delay_s() < 0.2          # the calls to /a are late: a hedge is due
+        for frame in _frames(4, seed=6):
+            y, stats = client.process(frame)
+            assert stats.executed_mode == "full_offload", stats.fallback_reason
+            assert stats.extra["pool"]["servers"] == ["/a"], client.link.figures()
+            torch.testing.assert_close(y, _local(client, frame))
+        assert client.link.figures().get("hedges", 0) == before
+    finally:
+        release.set()
+        client.close()
