@@ -9,8 +9,10 @@ master, real ``offload_server`` nodes and one ROS node per robot
 
 * Each server is its own process under its own CPU quota (``--server-cpus`` CPUs, a
   cgroup: :class:`~robot_offload.testbed.cgroup.CpuLimit`), found by the robots through
-  the master under ``/fleet``. ``--slow I:F@T`` divides server I's quota by F at T s into
-  the run; ``--kill I@T`` SIGKILLs it at T s.
+  the master under ``/fleet``, with ``--server-threads`` torch threads (1: on a fleet each
+  server has its own GPU, and two servers' thread bursts on this machine's shared cores
+  would slow each other beyond their quotas). ``--slow I:F@T`` divides server I's quota by
+  F at T s into the run; ``--kill I@T`` SIGKILLs it at T s.
 * Each robot offers frames at ``--rate-hz`` (robot 0 at ``--fast-factor`` times that) from
   one shared start; a frame due while the last one runs is dropped, as the client node's
   newest-frame queue would, so offered = processed + dropped for every robot.
@@ -211,6 +213,10 @@ def run(args) -> dict:
             return procs[-1]
         start_on_free_port(start_master, lambda core: _wait_master(env, core))
         servers = []
+        # each server's torch threads: on a real fleet every server has its own GPU; here
+        # two servers' thread bursts would collide on the shared cores beyond their quotas
+        server_env = dict(env, OMP_NUM_THREADS=str(args.server_threads),
+                          MKL_NUM_THREADS=str(args.server_threads))
         for i in range(n_servers):
             argv = ["rosrun", "robot_offload", "offload_server", f"__ns:={FLEET_NS}", f"__name:=s{i}",
                     "_device:=cpu", f"_preload:=[{args.model}]", "_ops_sandbox:=false",
@@ -218,11 +224,11 @@ def run(args) -> dict:
             if args.server_cpus > 0:
                 lim = CpuLimit(ratio=args.server_cpus).open()
                 limits.append(lim)
-                proc = lim.popen(argv, env=env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
+                proc = lim.popen(argv, env=server_env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
                                  start_new_session=True)
             else:
                 lim = None
-                proc = subprocess.Popen(argv, env=env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(argv, env=server_env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
                                         start_new_session=True)
             procs.append(proc)
             servers.append((proc, lim))
@@ -295,6 +301,7 @@ def run(args) -> dict:
     setup = {"robots": n_robots, "servers": n_servers, "model": args.model, "mode": args.mode,
              "input": args.input_size or "default", "rate Hz": args.rate_hz,
              "robot0 rate x": args.fast_factor, "server CPUs each": args.server_cpus,
+             "server threads": args.server_threads,
              "compute_slots": args.compute_slots, "max_batch": args.max_batch, "balance": args.balance,
              "hedge": f"{args.hedge} (budget {args.hedge_budget:g})", "timeout s": args.timeout_s,
              "duration s": args.duration_s, "events": "; ".join(f"{w} at {t:g} s" for w, t in done_events) or "none",
@@ -343,6 +350,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate-hz", type=float, default=4.0, help="frames offered per second by each robot")
     ap.add_argument("--fast-factor", type=float, default=1.0, help="robot0 offers this many times the rate")
     ap.add_argument("--server-cpus", type=float, default=0.5, help="CPU quota of each server (0 = none)")
+    ap.add_argument("--server-threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--compute-slots", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=1, help="the servers' max_batch")
     ap.add_argument("--duration-s", type=float, default=30.0)
