@@ -13,6 +13,8 @@ master, real ``offload_server`` nodes and one ROS node per robot
   server has its own GPU, and two servers' thread bursts on this machine's shared cores
   would slow each other beyond their quotas). ``--slow I:F@T`` divides server I's quota by
   F at T s into the run; ``--kill I@T`` SIGKILLs it at T s.
+* ``--robot-cpus`` puts each robot under a CPU quota of its own too (for modes that
+  compute on the robot: unlimited, four robots would take the whole machine).
 * Each robot offers frames at ``--rate-hz`` (robot 0 at ``--fast-factor`` times that) from
   one shared start; a frame due while the last one runs is dropped, as the client node's
   newest-frame queue would, so offered = processed + dropped for every robot.
@@ -193,8 +195,9 @@ def run(args) -> dict:
     procs, limits, replayers = [], [], []
     star = None
     mechanism = choose_mechanism()
-    if mechanism.kind == "threads" and args.server_cpus > 0:
-        raise SystemExit(f"--server-cpus needs a writable cgroup CPU controller: {mechanism.reason}")
+    if mechanism.kind == "threads" and (args.server_cpus > 0 or args.robot_cpus > 0):
+        raise SystemExit(f"--server-cpus and --robot-cpus need a writable cgroup CPU controller: "
+                         f"{mechanism.reason}")
     try:
         if specs:
             try:
@@ -243,9 +246,16 @@ def run(args) -> dict:
                     "--duration-s", str(args.duration_s), "--timeout-s", str(args.timeout_s),
                     "--balance", args.balance, "--hedge", str(int(args.hedge)),
                     "--hedge-budget", str(args.hedge_budget), "--out", os.path.join(out, f"robot{j}.json")]
+            robot_lim = None
+            if args.robot_cpus > 0:      # a robot's own compute quota (its local layers)
+                robot_lim = CpuLimit(ratio=args.robot_cpus).open()
+                limits.append(robot_lim)
             if star is not None:        # in its own namespace, advertising its own address
-                robots.append(star.run(j, argv, env=dict(env, ROS_IP=star.robot_ip(j)),
+                robots.append(star.run(j, argv, env=dict(env, ROS_IP=star.robot_ip(j)), cpu_limit=robot_lim,
                                        stdout=log(f"robot{j}.log"), stderr=subprocess.STDOUT))
+            elif robot_lim is not None:
+                robots.append(robot_lim.popen(argv, env=env, stdout=log(f"robot{j}.log"),
+                                              stderr=subprocess.STDOUT, start_new_session=True))
             else:
                 robots.append(subprocess.Popen(argv, env=env, stdout=log(f"robot{j}.log"),
                                                stderr=subprocess.STDOUT, start_new_session=True))
@@ -301,7 +311,7 @@ def run(args) -> dict:
     setup = {"robots": n_robots, "servers": n_servers, "model": args.model, "mode": args.mode,
              "input": args.input_size or "default", "rate Hz": args.rate_hz,
              "robot0 rate x": args.fast_factor, "server CPUs each": args.server_cpus,
-             "server threads": args.server_threads,
+             "server threads": args.server_threads, "robot CPUs each": args.robot_cpus or "no quota",
              "compute_slots": args.compute_slots, "max_batch": args.max_batch, "balance": args.balance,
              "hedge": f"{args.hedge} (budget {args.hedge_budget:g})", "timeout s": args.timeout_s,
              "duration s": args.duration_s, "events": "; ".join(f"{w} at {t:g} s" for w, t in done_events) or "none",
@@ -351,6 +361,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fast-factor", type=float, default=1.0, help="robot0 offers this many times the rate")
     ap.add_argument("--server-cpus", type=float, default=0.5, help="CPU quota of each server (0 = none)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of each server")
+    ap.add_argument("--robot-cpus", type=float, default=0.0,
+                    help="CPU quota of each robot (0 = none): modes that compute on the robot need one")
     ap.add_argument("--compute-slots", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=1, help="the servers' max_batch")
     ap.add_argument("--duration-s", type=float, default=30.0)
