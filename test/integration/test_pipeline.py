@@ -61,11 +61,16 @@ def test_frames_flow_and_stats_are_sane(launch, stats):
     sub = rospy.Subscriber("/offload_client/result", InferenceResult, results.append, queue_size=10)
     try:
         _, first = stats.wait_for(lambda m: m.executed_mode == "full_offload", 180)   # start-up: robot and server build the model
-        time.sleep(2.0)
+        # frames keep flowing: ten more offloaded (about 1 s at 10 Hz; the rate itself is
+        # the rostest's to check, and a loaded machine's first frames may run locally)
+        end = time.monotonic() + 60
+        while sum(m.executed_mode == "full_offload" for _, m in stats.msgs) < 11 and time.monotonic() < end:
+            time.sleep(0.1)
     finally:
         sub.unregister()
     offloaded = [m for _, m in stats.msgs if m.executed_mode == "full_offload"]
-    assert len(offloaded) >= 10, "expected ~10 Hz of offloaded frames"
+    assert len(offloaded) >= 11, [(m.executed_mode, m.fallback_reason[:90], round(m.latency_s, 3))
+                                  for _, m in stats.msgs]
     for m in offloaded:
         assert m.mode == "full_offload" and m.model == "resnet18" and m.header.frame_id == "camera"
         assert 0 < m.latency_s < 5 and m.server_compute_s > 0 and m.robot_compute_s > 0
