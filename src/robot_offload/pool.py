@@ -354,6 +354,9 @@ class ServerPool:
                     backlog_s = m.link.query_load(max(self.load_probe_s, 0.2))
                 except (TransportError, OffloadError):
                     continue              # a compute call finds out, and marks it down
+                except Exception as e:  # noqa: BLE001 - a server leaving mid-ping: never end the prober
+                    log.debug("load probe of %s: %s: %s", m.name, type(e).__name__, e)
+                    continue
                 with self._lock:
                     m.note_backlog(backlog_s, self.clock())
 
