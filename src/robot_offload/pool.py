@@ -403,12 +403,16 @@ class ServerPool:
         a server that may have become slow), while at most half the hedge budget is spent."""
         if not self.hedge or self.balance != "least_predicted_latency":
             return None
-        if sum(self._budget) + 1 > 0.5 * self.hedge_budget * max(len(self._budget), 1):
+        if not self._budget_allows_locked(0.5 * self.hedge_budget):
             return None
         stale = [m for m in self._members.values()
                  if m is not first and m.link.available and m.skip_until <= now and not m.started
                  and m.calls > 0 and now - m.last_used > self.explore_after_s]
         return min(stale, key=lambda m: m.last_used) if stale else None
+
+    def _budget_allows_locked(self, share: float) -> bool:
+        """Whether one more copy keeps the copies within ``share`` of the recent calls."""
+        return sum(self._budget) + 1 <= share * max(len(self._budget), 1)
 
     def _hedge_delay_s(self) -> Optional[float]:
         """When a call is late enough to hedge: the ``hedge_percentile`` of the recent round
@@ -419,7 +423,7 @@ class ServerPool:
         if not self.hedge:
             return None
         with self._lock:
-            if sum(self._budget) + 1 > self.hedge_budget * max(len(self._budget), 1):
+            if not self._budget_allows_locked(self.hedge_budget):
                 return None
             up = [m for m in self._members.values() if m.link.available]
             windows = [sorted(m.window) for m in up if len(m.window) >= MIN_SAMPLES]
@@ -439,8 +443,12 @@ class ServerPool:
         return report
 
     def _count_hedge(self, report: dict, request: ComputeRequest, why: str = "") -> None:
+        """A copy of ``request`` sent: in the frame's report and the pool's figures, also
+        under ``why`` (e.g. ``explored``) when given."""
         report["hedged"] += 1
         report["hedge_bytes_up"] += request.payload_bytes
+        if why:
+            report[why] += 1
         with self._lock:
             self._figures["hedges"] += 1
             self._figures["hedge_bytes_up"] += request.payload_bytes
@@ -499,7 +507,6 @@ class ServerPool:
             explore = self._explore_locked(first, self.clock())
         if explore is not None:
             hedged = sent_hedge = True
-            report["explored"] += 1
             self._count_hedge(report, request, "explored")
             start(explore)
         delay = None if hedged else self._hedge_delay_s()

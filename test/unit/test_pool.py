@@ -1,6 +1,7 @@
 """Several servers behind one client (robot_offload.pool), in process: calls balanced,
 late calls hedged, a lost server survived -- every output still the local model's."""
 
+import contextlib
 import threading
 import time
 
@@ -61,6 +62,27 @@ def _fleet(servers, names=("/a", "/b"), **config):
     return client, transports
 
 
+@contextlib.contextmanager
+def _slot_held_by_another_robot(server, most_s=30.0):
+    """Another client's request holding ``server``'s one compute slot for the ``with``
+    body (at most ``most_s``)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with server.scheduler.slot("another-robot", ("forward", MODEL)):
+            held.set()
+            release.wait(most_s)
+
+    intruder = threading.Thread(target=hold, daemon=True)
+    intruder.start()
+    try:
+        assert held.wait(5.0)
+        yield
+    finally:
+        release.set()
+        intruder.join(5.0)
+
+
 def _frames(n, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(n)]
@@ -102,30 +124,19 @@ def test_a_server_busy_with_another_robots_work_is_avoided_before_this_client_wa
     server whose slot another client holds is avoided without this client first paying
     for a call there."""
     client, transports = _fleet(servers, mode="full_offload", hedge=False)
-    held, release = threading.Event(), threading.Event()
-
-    def hold_a():
-        with servers["/a"].scheduler.slot("another-robot", ("forward", MODEL)):
-            held.set()
-            release.wait(20.0)
-
-    intruder = threading.Thread(target=hold_a, daemon=True)
     try:
         for frame in _frames(6):                 # both servers measured idle
             client.process(frame)
-        intruder.start()
-        assert held.wait(5.0)
-        time.sleep(4 * client.link.load_probe_s)  # a few load reports
-        before = transports["/a"].computes
-        for frame in _frames(8, seed=4):
-            y, stats = client.process(frame)
-            assert stats.executed_mode == "full_offload", stats.fallback_reason
-            assert stats.extra["pool"]["servers"] == ["/b"], client.link.figures()
-            torch.testing.assert_close(y, _local(client, frame))
-        assert transports["/a"].computes == before
+        with _slot_held_by_another_robot(servers["/a"]):
+            time.sleep(4 * client.link.load_probe_s)  # a few load reports
+            before = transports["/a"].computes
+            for frame in _frames(8, seed=4):
+                y, stats = client.process(frame)
+                assert stats.executed_mode == "full_offload", stats.fallback_reason
+                assert stats.extra["pool"]["servers"] == ["/b"], client.link.figures()
+                torch.testing.assert_close(y, _local(client, frame))
+            assert transports["/a"].computes == before
     finally:
-        release.set()
-        intruder.join(5.0)
         client.close()
 
 
@@ -232,28 +243,18 @@ def test_no_hedge_goes_to_a_server_that_would_answer_no_sooner(servers):
     server is predicted to take, its reported queue included: a copy to a server busy with
     other robots' work would only add to it."""
     client, transports = _fleet(servers, mode="full_offload", hedge=True, hedge_budget=0.5)
-    held, release = threading.Event(), threading.Event()
-
-    def hold_b():
-        with servers["/b"].scheduler.slot("another-robot", ("forward", MODEL)):
-            held.set()
-            release.wait(30.0)
-
-    intruder = threading.Thread(target=hold_b, daemon=True)
     try:
         _latencies(client, _frames(16, seed=5), gap_s=0.0)      # both measured, fast
         transports["/a"].delay_s = 0.4
-        intruder.start()
-        assert held.wait(5.0)
-        time.sleep(1.0 + 4 * client.link.load_probe_s)          # /b's wait grows and is reported
-        before = client.link.figures().get("hedges", 0)
-        assert client.link._hedge_delay_s() < 0.2          # the calls to /a are late: a hedge is due
-        for frame in _frames(4, seed=6):
-            y, stats = client.process(frame)
-            assert stats.executed_mode == "full_offload", stats.fallback_reason
-            assert stats.extra["pool"]["servers"] == ["/a"], client.link.figures()
-            torch.testing.assert_close(y, _local(client, frame))
-        assert client.link.figures().get("hedges", 0) == before
+        with _slot_held_by_another_robot(servers["/b"]):
+            time.sleep(1.0 + 4 * client.link.load_probe_s)      # /b's wait grows and is reported
+            before = client.link.figures().get("hedges", 0)
+            assert client.link._hedge_delay_s() < 0.2      # the calls to /a are late: a hedge is due
+            for frame in _frames(4, seed=6):
+                y, stats = client.process(frame)
+                assert stats.executed_mode == "full_offload", stats.fallback_reason
+                assert stats.extra["pool"]["servers"] == ["/a"], client.link.figures()
+                torch.testing.assert_close(y, _local(client, frame))
+            assert client.link.figures().get("hedges", 0) == before
     finally:
-        release.set()
         client.close()
