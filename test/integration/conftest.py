@@ -8,17 +8,9 @@ this pytest process as a rospy node (``disable_signals`` so pytest keeps Ctrl-C)
 
 import os
 import signal
-import socket
 import subprocess
-import time
 
 import pytest
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc, sig=signal.SIGINT, wait_s=15):
@@ -39,28 +31,23 @@ def _stop(proc, sig=signal.SIGINT, wait_s=15):
 def ros_master(tmp_path_factory):
     os.environ.setdefault("ROS_HOME", str(tmp_path_factory.mktemp("ros_home")))
     import rospy
-    # A free port can be taken before roscore binds it: then roscore exits at once and
-    # another port is tried.
-    for attempt in range(3):
-        uri = f"http://127.0.0.1:{_free_port()}"
-        os.environ["ROS_MASTER_URI"] = uri
-        port = uri.rsplit(":", 1)[1]
-        core = subprocess.Popen(["roscore", "-p", port], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                rospy.get_master().getSystemState()
-                break
-            except OSError:
-                if core.poll() is not None and attempt < 2:
-                    break
-                if time.monotonic() > deadline or core.poll() is not None:
-                    _stop(core)
-                    pytest.fail("roscore did not start")
-                time.sleep(0.2)
-        if core.poll() is None:
-            break
+    from robot_offload.ros.server_process import wait_master
+    from robot_offload.testbed._common import start_on_free_port
+
+    started = []
+
+    def start(port):
+        os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
+        started.append(subprocess.Popen(["roscore", "-p", str(port)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.STDOUT, start_new_session=True))
+        return started[-1]
+    # a free port can be taken before roscore binds it: then another is tried
+    try:
+        core, _ = start_on_free_port(start, lambda core: wait_master(core, timeout_s=30))
+    except RuntimeError as e:
+        _stop(started[-1])
+        pytest.fail(f"roscore did not start: {e}")
+    uri = os.environ["ROS_MASTER_URI"]
     rospy.init_node("pytest_integration", anonymous=True, disable_signals=True)
     yield uri
     _stop(core)

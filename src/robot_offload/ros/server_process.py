@@ -14,6 +14,18 @@ from robot_offload.health import process_figures
 from robot_offload.testbed._common import start_on_free_port
 
 
+def wait_master(core, timeout_s=60.0):
+    """Return once the master at ``ROS_MASTER_URI`` answers; RuntimeError once ``core``
+    (its roscore) has exited or after ``timeout_s``. Asks afresh each time: rospy's own
+    master proxy keeps the first URI it saw."""
+    import rosgraph
+    end = time.monotonic() + timeout_s
+    while not rosgraph.is_master_online():
+        if time.monotonic() > end or core.poll() is not None:
+            raise RuntimeError("roscore did not start; see roscore.log")
+        time.sleep(0.2)
+
+
 class RosServer:
     """roscore on a free port and an offload_server node; restart = SIGKILL + a new node."""
 
@@ -29,7 +41,7 @@ class RosServer:
             os.environ["ROS_MASTER_URI"] = f"http://127.0.0.1:{port}"
             return subprocess.Popen(["roscore", "-p", str(port)], stdout=self._log("roscore"),
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.core, _ = start_on_free_port(start, self._wait_master)
+        self.core, _ = start_on_free_port(start, wait_master)
         rospy.init_node("soak_client", anonymous=True, disable_signals=True)
         from robot_offload.ros import logbridge
         logbridge.cache_rosout_flag()
@@ -46,15 +58,6 @@ class RosServer:
 
     def _log(self, name):
         return open(os.path.join(self.workdir, f"{name}.log"), "a")
-
-    @staticmethod
-    def _wait_master(core, timeout_s=60):
-        import rosgraph
-        end = time.monotonic() + timeout_s
-        while not rosgraph.is_master_online():
-            if time.monotonic() > end or core.poll() is not None:
-                raise RuntimeError("roscore did not start; see roscore.log")
-            time.sleep(0.2)
 
     def _start(self):
         params = dict({"device": "cpu", "preload": "[]"}, **self.params)
