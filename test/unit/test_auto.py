@@ -226,6 +226,6 @@ def test_frames_are_offloaded_while_the_plans_are_prepared_in_the_background(sha
                 assert "background" in stats.extra["auto"]["reason"], stats.extra["auto"]
             k += 1
         preparing.join(5)
-        assert not preparing.is_alive() and auto._prepare_failed == {}
+        assert not preparing.is_alive() and auto._prepare_failed == set()
     finally:
         client.close()

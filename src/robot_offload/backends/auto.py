@@ -78,7 +78,7 @@ class AutoBackend(Backend):
         self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
         self._up_ratio = 1.0    # bytes sent / image bytes of the last image offload (compression)
         self._preparing: Dict[tuple, threading.Thread] = {}   # shape -> its background preparation
-        self._prepare_failed: Dict[tuple, str] = {}           # shape -> why it failed
+        self._prepare_failed: set = set()                      # shapes whose preparation failed (logged)
 
     # -- tensors: only lop's candidates exist ------------------------------------------
     def infer(self, x, stats, timeout_s):
@@ -168,9 +168,9 @@ class AutoBackend(Backend):
             t0 = time.perf_counter()
             try:
                 self.lop.lop_state(x)
-            except Exception as e:  # noqa: BLE001 - a failure must reach the frames, not kill the node
+            except Exception:  # noqa: BLE001 - a failure must reach the frames, not kill the node
                 log.exception("auto: preparing the plans of %s failed; its next frame prepares them", shape)
-                self._prepare_failed[shape] = f"{type(e).__name__}: {e}"
+                self._prepare_failed.add(shape)
                 return
             log.info("auto: plans of %s prepared in the background in %.1f s", shape, time.perf_counter() - t0)
         thread = threading.Thread(target=prepare, name="auto-prepare", daemon=True)
