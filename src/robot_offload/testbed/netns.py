@@ -165,6 +165,20 @@ _UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _RATE_RE = re.compile(r"\brate (\d+(?:\.\d+)?)([KMGT]?)bit\b")
 
 
+def shape_end(tc, dev, wire_rate_bps, trees, key, tree, **batch_kw):
+    """Shape one link end's egress (``tc``: the command prefix reaching ``dev``'s
+    namespace) to ``wire_rate_bps`` with :func:`shaping_batch` (``batch_kw``). The qdisc
+    tree is built when ``trees[key]`` is not ``tree``, else changed in place, which keeps
+    its queue and tokens (trace replay)."""
+    create = trees.get(key) != tree
+    if create:
+        run_cmd([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
+        trees.pop(key, None)
+    lines = shaping_batch(dev, wire_rate_bps, create=create, **batch_kw)
+    run_cmd([*tc, "-batch", "-"], input_text="\n".join(lines) + "\n")
+    trees[key] = tree
+
+
 def parse_tc_rate_bps(text):
     """The first ``rate <n>[KMGT]bit`` in ``tc class/qdisc show`` text (bit/s), or None."""
     m = _RATE_RE.search(text)
@@ -483,19 +497,11 @@ class Testbed(NamespaceLifecycle):
         return up
 
     def _shape(self, side, rate_bps):
-        ns, dev = self.ns(side), self.dev(side)
         netem_delay_s = self.delay_s if self.link == "veth" else 0.0  # tun: the relay delays
-        tree = (self.qdisc_kind, bool(netem_delay_s))
-        create = self._trees.get(side) != tree
-        if create:
-            run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-            self._trees.pop(side, None)
-        lines = shaping_batch(dev, self.wire_rate_bps(rate_bps), qdisc=self.qdisc_kind,
-                              create=create, delay_s=netem_delay_s,
-                              latency_s=self.latency_s, mtu=self.mtu,
-                              gso_max_bytes=self.gso_max_bytes)
-        run_cmd(["tc", "-n", ns, "-batch", "-"], input_text="\n".join(lines) + "\n")
-        self._trees[side] = tree
+        shape_end(["tc", "-n", self.ns(side)], self.dev(side), self.wire_rate_bps(rate_bps),
+                  self._trees, side, (self.qdisc_kind, bool(netem_delay_s)), qdisc=self.qdisc_kind,
+                  delay_s=netem_delay_s, latency_s=self.latency_s, mtu=self.mtu,
+                  gso_max_bytes=self.gso_max_bytes)
 
     def set_delay(self, delay_s):
         """Fixed one-way delay on both directions: with ``link="tun"`` the relay's, else a

@@ -52,7 +52,7 @@ from robot_offload.testbed._common import (
 from robot_offload.testbed.netns import (
     ETH_HEADER_BYTES, GSO_MAX_BYTES, NETNS_DIR, QDISCS,
     NamespaceLifecycle, _kill_namespace_pids, clamp_rate,
-    parse_tc_rate_bps, shaping_batch, wire_factor)
+    parse_tc_rate_bps, shape_end, wire_factor)
 
 log = logging.getLogger(__name__)
 
@@ -265,15 +265,9 @@ class StarTestbed(NamespaceLifecycle):
 
     def _shape(self, j, side, rate_bps):
         tc, dev = self._tc(j, side)
-        create = self._trees.get((j, side)) != self.qdisc_kind
-        if create:
-            run_cmd([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
-            self._trees.pop((j, side), None)
-        lines = shaping_batch(dev, self.wire_rate_bps(rate_bps), qdisc=self.qdisc_kind,
-                              create=create, latency_s=self.latency_s, mtu=self.mtu,
-                              gso_max_bytes=self.gso_max_bytes)
-        run_cmd([*tc, "-batch", "-"], input_text="\n".join(lines) + "\n")
-        self._trees[(j, side)] = self.qdisc_kind
+        shape_end(tc, dev, self.wire_rate_bps(rate_bps), self._trees, (j, side), self.qdisc_kind,
+                  qdisc=self.qdisc_kind, latency_s=self.latency_s, mtu=self.mtu,
+                  gso_max_bytes=self.gso_max_bytes)
 
     def clear_rate(self, j):
         """Remove robot j's shaping in both directions."""
