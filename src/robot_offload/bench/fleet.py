@@ -194,6 +194,18 @@ def run(args) -> dict:
     log = lambda name: open(os.path.join(out, "logs", name), "a")  # noqa: E731
     procs, limits, replayers = [], [], []
     star = None
+
+    def quota(cpus):
+        """An open CPU quota of ``cpus`` (closed at the end), or None for 0."""
+        if cpus <= 0:
+            return None
+        limits.append(CpuLimit(ratio=cpus).open())
+        return limits[-1]
+
+    def start(argv, lim, process_env, log_name):
+        """``argv`` in its own session (and in ``lim``'s cgroup from its start)."""
+        return subprocess.Popen(argv if lim is None else lim.wrap(argv), env=process_env,
+                                stdout=log(log_name), stderr=subprocess.STDOUT, start_new_session=True)
     mechanism = choose_mechanism()
     if mechanism.kind == "threads" and (args.server_cpus > 0 or args.robot_cpus > 0):
         raise SystemExit(f"--server-cpus and --robot-cpus need a writable cgroup CPU controller: "
@@ -224,15 +236,8 @@ def run(args) -> dict:
             argv = ["rosrun", "robot_offload", "offload_server", f"__ns:={FLEET_NS}", f"__name:=s{i}",
                     "_device:=cpu", f"_preload:=[{args.model}]", "_ops_sandbox:=false",
                     f"_compute_slots:={args.compute_slots}", f"_max_batch:={args.max_batch}"]
-            if args.server_cpus > 0:
-                lim = CpuLimit(ratio=args.server_cpus).open()
-                limits.append(lim)
-                proc = lim.popen(argv, env=server_env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            else:
-                lim = None
-                proc = subprocess.Popen(argv, env=server_env, stdout=log(f"server{i}.log"), stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+            lim = quota(args.server_cpus)
+            proc = start(argv, lim, server_env, f"server{i}.log")
             procs.append(proc)
             servers.append((proc, lim))
         _wait_services(env, [f"{FLEET_NS}/s{i}/compute" for i in range(n_servers)])
@@ -246,19 +251,12 @@ def run(args) -> dict:
                     "--duration-s", str(args.duration_s), "--timeout-s", str(args.timeout_s),
                     "--balance", args.balance, "--hedge", str(int(args.hedge)),
                     "--hedge-budget", str(args.hedge_budget), "--out", os.path.join(out, f"robot{j}.json")]
-            robot_lim = None
-            if args.robot_cpus > 0:      # a robot's own compute quota (its local layers)
-                robot_lim = CpuLimit(ratio=args.robot_cpus).open()
-                limits.append(robot_lim)
+            robot_lim = quota(args.robot_cpus)      # a robot's own compute (its local layers)
             if star is not None:        # in its own namespace, advertising its own address
                 robots.append(star.run(j, argv, env=dict(env, ROS_IP=star.robot_ip(j)), cpu_limit=robot_lim,
                                        stdout=log(f"robot{j}.log"), stderr=subprocess.STDOUT))
-            elif robot_lim is not None:
-                robots.append(robot_lim.popen(argv, env=env, stdout=log(f"robot{j}.log"),
-                                              stderr=subprocess.STDOUT, start_new_session=True))
             else:
-                robots.append(subprocess.Popen(argv, env=env, stdout=log(f"robot{j}.log"),
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+                robots.append(start(argv, robot_lim, env, f"robot{j}.log"))
         procs += robots
         events = sorted([("slow", *_event(e, True)) for e in args.slow] +
                         [("kill", *_event(e, False)) for e in args.kill], key=lambda e: e[3])
