@@ -58,8 +58,10 @@ def main(argv=None):
     # cameras are not synchronised: each starts at its own phase within the first period
     phase_s = float(rng.uniform(0.0, period_s))
     start_wall = args.start_at + phase_s
-    while time.time() < start_wall:
-        time.sleep(min(0.05, start_wall - time.time()))
+    remaining_s = start_wall - time.time()
+    while remaining_s > 0:                      # read the clock once per step: it moves between reads
+        time.sleep(min(0.05, remaining_s))
+        remaining_s = start_wall - time.time()
     t_start = time.monotonic()
     due = 0.0
     offered = dropped = 0
