@@ -169,3 +169,44 @@ def test_kapao_decoder_is_one_leaf_node():
     torch.testing.assert_close(graph.run_split(last, x, metas), ref, rtol=0, atol=0)
     neck = next(c for c in cuts if c.last.endswith("out3_cv3_act"))
     torch.testing.assert_close(graph.run_split(neck, x, metas), ref, rtol=0, atol=0)
+
+
+def test_capture_leaves_other_threads_models_alone_and_traces_take_turns(resnet18):
+    """torch.fx patches nn.Module for the whole process while it traces: a model another
+    thread runs meanwhile must still compute its tensors (not proxies, not into the
+    graph), and two captures at once must both trace."""
+    import threading
+    model, graph, x, _, ref = resnet18
+    n_nodes = len(graph.nodes)
+    stop, errors, graphs = threading.Event(), [], []
+
+    def frames():                 # a client's frames, on the model being captured
+        try:
+            while not stop.is_set():
+                with torch.inference_mode():
+                    y = model(x)
+                torch.testing.assert_close(y, ref)
+        except Exception as e:    # noqa: BLE001 - reported below
+            errors.append(repr(e)[:300])
+            stop.set()
+
+    def captures(n):
+        try:
+            for _ in range(n):
+                graphs.append(capture(model))
+        except Exception as e:    # noqa: BLE001
+            errors.append(repr(e)[:300])
+
+    runner = threading.Thread(target=frames, daemon=True)
+    runner.start()
+    tracers = [threading.Thread(target=captures, args=(4,), daemon=True) for _ in range(2)]
+    for t in tracers:
+        t.start()
+    for t in tracers:
+        t.join(120)
+    stop.set()
+    runner.join(30)
+    assert not errors, errors
+    assert len(graphs) == 8
+    assert all(g.traced and len(g.nodes) == n_nodes for g in graphs), \
+        [(g.traced, g.trace_error, len(g.nodes)) for g in graphs]

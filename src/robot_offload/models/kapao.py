@@ -32,6 +32,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from robot_offload.tracing import ThisThreadTracer
+
 __all__ = [
     "Conv",
     "Bottleneck",
@@ -327,7 +329,7 @@ def build_kapao(width_multiple: float = 1.0, depth_multiple: float = 1.0, num_ke
     return KAPAO(width_multiple, depth_multiple, num_keypoints).eval()
 
 
-class _KapaoTracer(torch.fx.Tracer):
+class _KapaoTracer(ThisThreadTracer):
     """Keeps :class:`Detect` (shape-dependent grid cache) as one opaque call in the graph."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:

@@ -37,6 +37,7 @@ import torch.fx
 from torch import nn
 
 from robot_offload.errors import ConfigError
+from robot_offload.tracing import ThisThreadTracer
 
 #: Attribute reads that depend on a tensor's metadata only.
 SHAPE_ATTRS = ("shape", "ndim", "dtype", "device", "is_cuda")
@@ -103,7 +104,7 @@ class Cut:
         return f"after {self.last} ({len(self.crossing)} tensor{'s' if len(self.crossing) > 1 else ''})"
 
 
-class _Tracer(torch.fx.Tracer):
+class _Tracer(ThisThreadTracer):
     def __init__(self, leaf_types: Tuple[type, ...], leaf_names: FrozenSet[str]):
         super().__init__()
         self.leaf_types = leaf_types
