@@ -26,6 +26,7 @@ differs between the two torch versions are kept in :attr:`ServerLink.refused_ops
 operator modes, which refuse to send them.
 """
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -39,6 +40,15 @@ from robot_offload.protocol import (ComputeRequest, ComputeResponse, LoadModelRe
 from robot_offload.transport.base import Transport
 
 log = logging.getLogger(__name__)
+
+#: Where a compute call may run when several servers stand behind the link (a
+#: :class:`~robot_offload.pool.ServerPool`): on ``ANY_SERVER`` with the model (the call
+#: keeps nothing on the server: balanced and hedged), on the ``HOME_SERVER``, which holds
+#: this client's state (sessions, the first half of a paired request), or on
+#: ``EVERY_SERVER`` up (a preparation each of them should have; the home's answer is
+#: returned). One server is all three.
+ANY_SERVER, HOME_SERVER, EVERY_SERVER = "any", "home", "every"
+PLACEMENTS = (ANY_SERVER, HOME_SERVER, EVERY_SERVER)
 
 
 class ServerLink:
@@ -101,10 +111,11 @@ class ServerLink:
         self._set_up()
         return True
 
-    def compute(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
+    def compute(self, request: ComputeRequest, timeout_s: float,
+                placement: Optional[str] = None) -> ComputeResponse:
         """One compute call within ``timeout_s``; reloads the model once if the server lost
         it. Raises TransportError / RemoteError; the caller falls back and calls
-        :meth:`mark_down`."""
+        :meth:`mark_down`. ``placement`` (see :data:`PLACEMENTS`) only matters to a pool."""
         deadline = self.clock() + timeout_s
         response = self.transport.call("compute", request, timeout_s)
         try:
@@ -115,6 +126,12 @@ class ServerLink:
             raise_for_status(response.status, response.status_text)
         self.consecutive_failures = 0
         return response
+
+    def submit(self, request: ComputeRequest, timeout_s: float,
+               placement: Optional[str] = None) -> "concurrent.futures.Future":
+        """One compute call started on a transport worker: a future of the server's
+        response, whose status the caller checks (``raise_for_status``)."""
+        return self.transport.submit("compute", request, timeout_s)
 
     def query_load(self, timeout_s: float) -> float:
         """The server's wait for a compute slot now (s, as it reports it), by a plain

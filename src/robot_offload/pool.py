@@ -8,8 +8,11 @@ knows under one namespace, looked up again every ``rediscover_s``), each with it
 transport, model load, version check and reconnect prober.
 
 * **Stateless work is balanced per call.** A whole model or a partition tail
-  (:data:`BALANCED_ENTRIES`) can run on any server that has the model, so each call goes
-  to the server the ``balance`` policy picks among those up: ``round_robin``,
+  (:data:`BALANCED_ENTRIES`), or any call its backend places on
+  :data:`~robot_offload.link.ANY_SERVER` (``lop``'s frames whose rows the robot joins:
+  one request that leaves nothing on the server), can run on any server that has the
+  model, so each call goes to the server the ``balance`` policy picks among those up:
+  ``round_robin``,
   ``least_outstanding`` (fewest of this client's calls in flight) or
   ``least_predicted_latency`` (the default: this client's link time to that server, the
   server's own wait for a slot as it reports it in every reply and to a ping every
@@ -31,8 +34,9 @@ transport, model load, version check and reconnect prober.
   :meth:`ServerPool.figures` and each frame's ``stats.extra["pool"]``.
 * **Stateful work stays put.** Operator sessions (``transparent``, ``record_replay``),
   ``lop``'s paired requests and anything else sent through :attr:`ServerPool.transport`
-  go to one *home* server, kept while it is up. When it is lost, the next call moves the
-  home to the best server up; the backend's session fails once there (its handles are
+  go to one *home* server, kept while it is up (a preparation every server should have,
+  ``lop``'s graph capture at a new input shape, goes to the others too, not waited
+  for). When it is lost, the next call moves the home to the best server up; the backend's session fails once there (its handles are
   unknown), that frame is computed locally, and the session is rebuilt on the new home.
 
 No rospy here: the directory is given (:func:`robot_offload.ros.fleet.master_directory`
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from robot_offload.errors import OffloadError, OffloadTimeout, RemoteError, ServerUnavailable, TransportError
-from robot_offload.link import ServerLink
+from robot_offload.link import ANY_SERVER, EVERY_SERVER, HOME_SERVER, PLACEMENTS, ServerLink
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.transport.base import Transport, shutdown_now
 
@@ -102,9 +106,12 @@ class _Member:
         self.last_used = 0.0
         self.skip_until = 0.0        # answered BUSY: not picked before this
         self.started: Dict[int, float] = {}   # calls in flight -> when they left
-        self.window = collections.deque(maxlen=LATENCY_WINDOW)   # recent round trips (s)
+        #: recent round trips (s) per compute entry: a whole model and a partition tail
+        #: take different times, and each call hedges on its own kind's
+        self.windows: Dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=LATENCY_WINDOW))
 
-    def record(self, round_trip_s: float, response: ComputeResponse, now: float) -> None:
+    def record(self, entry: str, round_trip_s: float, response: ComputeResponse, now: float) -> None:
         server_s = response.server_total_s or response.server_compute_s
         busy_s = max(0.0, server_s - max(0.0, response.server_queue_s))
         net_s = max(0.0, round_trip_s - server_s)
@@ -114,7 +121,7 @@ class _Member:
         self.net_s = _mean(self.net_s, net_s, first)
         self.compute_s = _mean(self.compute_s, busy_s, first)
         self.last_used = now
-        self.window.append(round_trip_s)
+        self.windows[entry].append(round_trip_s)
         self.note_backlog(response.server_backlog_s, now)
 
     def note_backlog(self, backlog_s, now: float) -> None:
@@ -132,6 +139,17 @@ class _Member:
         backlog = self.backlog_s if now - self.backlog_at <= BACKLOG_TTL_S else 0.0
         oldest = now - min(self.started.values()) if self.started else 0.0
         return max(self.net_s + backlog + (self.outstanding + 1) * self.compute_s, oldest)
+
+
+class _Frame:
+    """What the pool did for one frame: ``report`` (servers used, hedges, failovers; the
+    frame's ``stats.extra["pool"]``) and whether a failure was already ``blamed`` on the
+    servers that had it (the client's ``mark_down`` then blames no other)."""
+
+    def __init__(self):
+        self.report = {"servers": [], "hedged": 0, "explored": 0, "hedge_won": 0,
+                       "hedge_bytes_up": 0, "failovers": 0}
+        self.blamed = False
 
 
 def _mean(old: float, new: float, first: bool) -> float:
@@ -246,23 +264,46 @@ class ServerPool:
             self._load_prober.start()
         return self.available
 
-    def compute(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
-        """One compute call within ``timeout_s``: balanced and hedged for
-        :data:`BALANCED_ENTRIES`, else on the home server."""
-        if request.entry not in BALANCED_ENTRIES:
-            home = self.home
-            if home is None:
-                raise ServerUnavailable(f"no offload server available: {self.last_error}")
-            self._frame_report()["servers"].append(home.name)
-            return self._timed(home, request, timeout_s)
-        return self._balanced(request, timeout_s)
+    def compute(self, request: ComputeRequest, timeout_s: float,
+                placement: Optional[str] = None) -> ComputeResponse:
+        """One compute call within ``timeout_s`` where ``placement`` says
+        (:data:`~robot_offload.link.PLACEMENTS`; by default, balanced and hedged for
+        :data:`BALANCED_ENTRIES`, else on the home server)."""
+        if placement is None:
+            placement = ANY_SERVER if request.entry in BALANCED_ENTRIES else HOME_SERVER
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r}; known: {list(PLACEMENTS)}")
+        if placement == ANY_SERVER:
+            return self._balanced(request, timeout_s)
+        home = self.home
+        if home is None:
+            raise ServerUnavailable(f"no offload server available: {self.last_error}")
+        if placement == EVERY_SERVER:
+            self._to_the_others(home, request, timeout_s)
+        self._frame().report["servers"].append(home.name)
+        return self._timed(home, request, timeout_s)
+
+    def submit(self, request: ComputeRequest, timeout_s: float,
+               placement: Optional[str] = None) -> concurrent.futures.Future:
+        """:meth:`compute` started on a worker thread, for the calling thread's frame (its
+        servers, hedges and failures are the frame's): a future of the response."""
+        frame = self._frame()
+
+        def call():
+            self._tls.frame = frame
+            try:
+                return self.compute(request, timeout_s, placement)
+            finally:
+                self._tls.frame = None
+        return self._calls.submit(call)
 
     def mark_down(self, reason: str) -> None:
         """A frame failed. A balanced call already marked the servers that failed it;
         otherwise the failure was the home server's (a session or a paired call)."""
         self.last_error = reason
-        if getattr(self._tls, "blamed", False):
-            self._tls.blamed = False
+        frame = getattr(self._tls, "frame", None)
+        if frame is not None and frame.blamed:
+            frame.blamed = False
             return
         home = self.home
         if home is not None:
@@ -274,10 +315,9 @@ class ServerPool:
     def take_frame_report(self) -> Optional[dict]:
         """What the pool did for this thread's frame since the last call (servers used,
         hedges, failovers), and start a new one."""
-        report = getattr(self._tls, "report", None)
-        self._tls.report = None
-        self._tls.blamed = False
-        return report
+        frame = getattr(self._tls, "frame", None)
+        self._tls.frame = None
+        return frame.report if frame is not None else None
 
     def figures(self) -> dict:
         """Calls, hedges (sent, won), extra bytes up, failovers, and per server: calls,
@@ -386,6 +426,8 @@ class ServerPool:
                 return None
             up.sort(key=lambda m: m.name)
             if self.balance == "round_robin":
+                if exclude:            # a hedge or failover: the turn stays where it was
+                    return up[0]
                 return up[next(self._rr) % len(up)]
             if self.balance == "least_outstanding":
                 return min(up, key=lambda m: (m.outstanding, m.last_used))
@@ -414,9 +456,9 @@ class ServerPool:
         """Whether one more copy keeps the copies within ``share`` of the recent calls."""
         return sum(self._budget) + 1 <= share * max(len(self._budget), 1)
 
-    def _hedge_delay_s(self) -> Optional[float]:
-        """When a call is late enough to hedge: the ``hedge_percentile`` of the recent round
-        trips of the server that answers fastest (a slow server's own percentile would
+    def _hedge_delay_s(self, entry: str) -> Optional[float]:
+        """When a call to ``entry`` is late enough to hedge: the ``hedge_percentile`` of the
+        recent round trips there of the server that answers fastest (a slow server's own percentile would
         only say its calls are always late), or of all of them while no server has
         :data:`MIN_SAMPLES`; None when hedging is off, unmeasured or past
         its budget."""
@@ -426,21 +468,35 @@ class ServerPool:
             if not self._budget_allows_locked(self.hedge_budget):
                 return None
             up = [m for m in self._members.values() if m.link.available]
-            windows = [sorted(m.window) for m in up if len(m.window) >= MIN_SAMPLES]
+            mine = [m.windows.get(entry, ()) for m in up]
+            windows = [sorted(w) for w in mine if len(w) >= MIN_SAMPLES]
             if not windows:           # calls spread thin: all of this client's round trips
-                pooled = sorted(t for m in up for t in m.window)
+                pooled = sorted(t for w in mine for t in w)
                 windows = [pooled] if len(pooled) >= MIN_SAMPLES else []
         if not windows:
             return None
         q = self.hedge_percentile / 100.0
         return min(w[min(len(w) - 1, int(round(q * (len(w) - 1))))] for w in windows)
 
-    def _frame_report(self) -> dict:
-        report = getattr(self._tls, "report", None)
-        if report is None:
-            report = self._tls.report = {"servers": [], "hedged": 0, "explored": 0, "hedge_won": 0,
-                                         "hedge_bytes_up": 0, "failovers": 0}
-        return report
+    def _frame(self) -> "_Frame":
+        """The calling thread's frame (its worker calls share it, see :meth:`submit`)."""
+        frame = getattr(self._tls, "frame", None)
+        if frame is None:
+            frame = self._tls.frame = _Frame()
+        return frame
+
+    def _to_the_others(self, home: _Member, request: ComputeRequest, timeout_s: float) -> None:
+        """Copies of ``request`` to every server up but ``home``, not waited for: a
+        preparation each of them should have before calls balanced there need it. A
+        failure shows on the next real call."""
+        others = [m for m in self._snapshot() if m is not home and m.link.available]
+        for member in others:
+            def prepare(member=member):
+                try:
+                    member.link.compute(request, timeout_s)
+                except (TransportError, RemoteError) as e:
+                    log.debug("%s: %s not prepared: %s", member.name, request.entry, e)
+            self._calls.submit(prepare)
 
     def _count_hedge(self, report: dict, request: ComputeRequest, why: str = "") -> None:
         """A copy of ``request`` sent: in the frame's report and the pool's figures, also
@@ -469,7 +525,7 @@ class ServerPool:
                 member.started.pop(id(token), None)
         now = self.clock()
         with self._lock:
-            member.record(now - t0, response, now)
+            member.record(request.entry, now - t0, response, now)
         return response
 
     def _failed(self, member: _Member, error: Exception) -> bool:
@@ -481,12 +537,12 @@ class ServerPool:
                 member.skip_until = self.clock() + max(member.compute_s, BUSY_SKIP_S)
         else:
             member.link.mark_down(f"{member.name}: {type(error).__name__}: {error}")
-        self._tls.blamed = True
+        self._frame().blamed = True
         return True
 
     def _balanced(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
         deadline = self.clock() + timeout_s
-        report = self._frame_report()
+        report = self._frame().report
         tried: List[_Member] = []
         running: Dict[concurrent.futures.Future, _Member] = {}
         last_error: Optional[Exception] = None
@@ -509,7 +565,7 @@ class ServerPool:
             hedged = sent_hedge = True
             self._count_hedge(report, request, "explored")
             start(explore)
-        delay = None if hedged else self._hedge_delay_s()
+        delay = None if hedged else self._hedge_delay_s(request.entry)
         if delay is not None:
             hedge_at = self.clock() + delay
         try:
@@ -561,6 +617,6 @@ class ServerPool:
             raise last_error
         for member in running.values():       # abandoned at the deadline: they missed it
             member.link.mark_down(f"{member.name}: no answer within {timeout_s:.3f} s")
-        self._tls.blamed = True
+        self._frame().blamed = True
         raise OffloadTimeout(f"no offload server answered within {timeout_s:.3f} s "
                              f"(tried {', '.join(m.name for m in tried)})")

@@ -249,12 +249,80 @@ def test_no_hedge_goes_to_a_server_that_would_answer_no_sooner(servers):
         with _slot_held_by_another_robot(servers["/b"]):
             time.sleep(1.0 + 4 * client.link.load_probe_s)      # /b's wait grows and is reported
             before = client.link.figures().get("hedges", 0)
-            assert client.link._hedge_delay_s() < 0.2      # the calls to /a are late: a hedge is due
+            # the calls to /a are late: a hedge is due
+            assert client.link._hedge_delay_s("forward_image") < 0.2
             for frame in _frames(4, seed=6):
                 y, stats = client.process(frame)
                 assert stats.executed_mode == "full_offload", stats.fallback_reason
                 assert stats.extra["pool"]["servers"] == ["/a"], client.link.figures()
                 torch.testing.assert_close(y, _local(client, frame))
             assert client.link.figures().get("hedges", 0) == before
+    finally:
+        client.close()
+
+
+def _lop_schedules(client, profile_dir):
+    """A lop backend of ``client``, an input, its local outputs, and a spatial schedule of
+    each joining side at half share: {robot_joins: plan}."""
+    from robot_offload import backends
+    from robot_offload.partition.cost import predict_schedule
+    from robot_offload.partition.loss import Loss, _lop_plan
+    backend = backends.make_backend("lop", backends.BackendContext(
+        client.spec, client.model, client.link, client.config))
+    backend.calibration_inputs, backend.profile_repeats = 1, 1
+    x = client.spec.example_input(client.input_size, seed=7)
+    with torch.inference_mode():
+        ref = client.model(x)
+    ls, st = backend.lop_state(x), backend.state(x)
+    loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
+    plans = {}
+    for i, rc in enumerate(loss.regions):
+        if rc.until is None and rc.robot_joins not in plans:
+            cand = loss.candidate(i, backend.share_steps // 2)
+            plans[rc.robot_joins] = _lop_plan(cand, "raw/none", predict_schedule(
+                st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
+    assert set(plans) == {True, False}, "no region of each joining side"
+    return backend, x, ref, plans
+
+
+def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(servers, tmp_path):
+    """A lop frame whose rows the robot joins is one request that keeps nothing on the
+    server: any server may answer it, and a late one is hedged. A frame joined on the
+    server is a pair (the stripe waits there for B), so both go to the home server. Each
+    output equals local."""
+    from robot_offload.stats import FrameStats
+    client, transports = _fleet(servers, mode="lop", balance="round_robin", hedge=False,
+                                profile_dir=str(tmp_path))
+    try:
+        backend, x, ref, plans = _lop_schedules(client, str(tmp_path))
+        home = client.link.home.name
+
+        def run(plan, n):
+            before = {k: t.computes for k, t in transports.items()}
+            used, latencies = [], []
+            for _ in range(n):
+                stats = FrameStats()
+                t0 = time.perf_counter()
+                y = backend.run_schedule(x, plan, stats, 10.0)
+                latencies.append(time.perf_counter() - t0)
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+                used.append(client.link.take_frame_report()["servers"])
+            return used, {k: t.computes - before[k] for k, t in transports.items()}, latencies
+
+        used, calls, _ = run(plans[True], 6)
+        assert calls["/a"] >= 2 and calls["/b"] >= 2, (used, calls)     # balanced
+        used, calls, _ = run(plans[False], 4)
+        assert all(u == [home, home] for u in used), used                  # a pair, at home
+        assert calls[home] == 8 and sum(calls.values()) == 8, calls
+        # hedged: one server slowed past the hedge delay; no frame waits for it
+        client.link.hedge, client.link.hedge_budget = True, 0.5
+        other = "/b" if home == "/a" else "/a"
+        transports[other].delay_s = 1.5
+        used, calls, latencies = run(plans[True], 8)
+        figures = client.link.figures()
+        assert figures.get("hedges_won", 0) >= 1, (used, figures)
+        # a hedge does not take the next frame's turn: frames still alternate
+        assert [u[0] for u in used[:4]] in (["/a", "/b"] * 2, ["/b", "/a"] * 2), used
+        assert max(latencies) < 1.2, (latencies, used, figures)
     finally:
         client.close()

@@ -31,6 +31,7 @@ all local, full offload) are timed against each other when their predictions are
 and the fastest serves the bucket.
 """
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ from robot_offload.backends.base import register_backend
 from robot_offload.backends.layer_partition import (LayerPartitionBackend, _encode, _json,
                                                     frame_codec)
 from robot_offload.errors import OffloadTimeout, RemoteError
+from robot_offload.link import ANY_SERVER, EVERY_SERVER, HOME_SERVER
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut
 from robot_offload.partition.cost import join_encoding
 from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
@@ -179,7 +181,7 @@ def _answer_to_a(fut_a, a_done, deadline: float):
     """Transfer A's answer (raising its error status) and when it arrived."""
     try:
         resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
-    except TimeoutError:
+    except concurrent.futures.TimeoutError:     # not the built-in TimeoutError before Python 3.11
         raise OffloadTimeout("lop: the answer to transfer A did not arrive before the deadline") from None
     raise_for_status(resp_a.status, resp_a.status_text)
     return resp_a, (a_done[0] if a_done else time.perf_counter())
@@ -281,7 +283,7 @@ class LopBackend(LayerPartitionBackend):
         link.compute(ComputeRequest(client_id=link.client_id, model=link.model, entry="lop_part",
                                     tensors=[], args_json=_json({"phase": "prepare",
                                                                  "input_shape": list(shape)})),
-                     timeout_s)
+                     timeout_s, placement=EVERY_SERVER)
         ls.prepared = True
 
     def region_of(self, spatial: SpatialGraph, plan: LopPlan) -> Tuple[Region, Cut, Cut]:
@@ -458,7 +460,10 @@ class LopBackend(LayerPartitionBackend):
             args_json=_json(args_a), output_codec=down[0], output_compression=down[1])
         t_a = time.perf_counter()
         stats.add_compute(t0, t_a)
-        fut_a = link.transport.submit("compute", req_a, deadline - t_a)
+        # A whose rows the robot joins is the whole frame, so any server may answer it
+        # (balanced and hedged in a pool); A of a pair leaves the stripe on its server
+        # for B, so both go to the home server.
+        fut_a = link.submit(req_a, deadline - t_a, ANY_SERVER if robot_joins else HOME_SERVER)
         a_done = []      # when A's reply arrived: its transfer ends there, not when we look
         fut_a.add_done_callback(lambda _: a_done.append(time.perf_counter()))
         # The robot's stripe, while transfer A is on the wire.
@@ -486,7 +491,7 @@ class LopBackend(LayerPartitionBackend):
             args_json=_json(args_b), output_codec=down[0], output_compression=down[1])
         t_b = time.perf_counter()
         stats.add_compute(t_a, t_b)
-        resp_b = link.compute(req_b, deadline - t_b)
+        resp_b = link.compute(req_b, deadline - t_b, placement=HOME_SERVER)
         t_b_done = time.perf_counter()
         resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
         t_tail = time.perf_counter()
