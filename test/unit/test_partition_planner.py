@@ -732,3 +732,33 @@ def test_a_handicapped_plan_must_measure_that_much_faster():
         p, probe = m.choose(0, plan, [alt], handicap={"spatial": 1.03})
         assert (p.key, probe) == (served, False)
         assert m.choose(0, plan, [alt]) == (plan, False)      # no handicap: the faster median
+
+
+def test_a_probe_faster_than_the_served_plan_is_timed_again_at_once():
+    """A candidate probed every ``every`` frames keeps old samples for long: two slow
+    ones must not keep it out once a probe measures it faster. It is timed again until
+    its window is fresh, then serves; a confirming sample that is not faster stops it."""
+    table = PlanTable(_profile(), PlannerConfig())
+    i = table.index(20 * MB)
+    plan, alt = table.plans[i], table.alternatives[i][0]
+    m = MeasuredChoice(margin=1e9, every=5, window=3, min_samples=2)
+    truth = {plan.key: 0.035, alt.key: 0.029}
+    spikes = iter([0.053, 0.044])        # the alternative's first two frames are slow
+    ran = []
+    for _ in range(16):
+        p, probe = m.choose(i, plan, [alt])
+        ran.append((p is alt, probe, m.last["reason"]))
+        m.observe(i, p, next(spikes, truth[p.key]) if p is alt else truth[p.key])
+    reasons = [r for _, _, r in ran]
+    assert "probe: confirming a faster measurement" in reasons, ran
+    assert all(a for a, probe, _ in ran[-4:] if not probe), ran      # the alternative serves
+    assert m.median_s(i, alt) == pytest.approx(0.029)
+    # without a faster probe there is nothing to confirm: a slower one stops at once
+    m2 = MeasuredChoice(margin=1e9, every=2, window=3, min_samples=1)
+    slow = {plan.key: 0.020, alt.key: 0.040}
+    seen = []
+    for _ in range(12):
+        p, probe = m2.choose(i, plan, [alt])
+        seen.append(m2.last["reason"])
+        m2.observe(i, p, slow[p.key])
+    assert "probe: confirming a faster measurement" not in seen, seen
