@@ -296,6 +296,13 @@ def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(s
     try:
         backend, x, ref, plans = _lop_schedules(client, str(tmp_path))
         home = client.link.home.name
+        # the graph capture at this shape goes to every server, the others not waited for
+        before = {k: t.computes for k, t in transports.items()}
+        backend._prepare(backend.lop_state(x), tuple(x.shape), 30.0)
+        waited = time.monotonic() + 30.0
+        while any(t.computes == before[k] for k, t in transports.items()) and time.monotonic() < waited:
+            time.sleep(0.05)
+        assert {k: t.computes - before[k] for k, t in transports.items()} == {"/a": 1, "/b": 1}
 
         def run(plan, n):
             before = {k: t.computes for k, t in transports.items()}
