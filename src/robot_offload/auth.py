@@ -91,7 +91,7 @@ _MAX_TOKEN_CHARS = 200
 SIGNED_FIELDS = {
     "load_model": ("client_id", "model", "weights_hash"),
     "compute": ("client_id", "model", "entry", "args_json", "session", "output_codec",
-                "output_compression"),
+                "output_compression", "request_id"),
     "ping": ("client_id", "payload", "versions_json"),
 }
 

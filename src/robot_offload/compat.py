@@ -46,7 +46,7 @@ from typing import Dict, FrozenSet, Mapping, Optional
 
 #: Bumped whenever the services' fields or meaning, the codec's formats or a compute
 #: entry's arguments change (test_compat checks it moves with the .srv/.msg files).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Longest versions_json accepted (characters): the allow-list's digests take ~15 KB.
 MAX_VERSIONS_JSON_CHARS = 256 * 1024
 #: Most operators one client may list.

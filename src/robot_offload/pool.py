@@ -27,9 +27,10 @@ transport, model load, version check and reconnect prober.
   this client's recent round trips to the fastest server, and has already waited longer
   than a second server is predicted to take (its reported queue included: when every
   server is busy a copy only adds work, so the hedge waits until it would pay), the same
-  request goes to that server and the first answer wins. The loser is abandoned: the client stops waiting,
-  and the server drops it unstarted once its deadline passes (``deadline_s``,
-  :mod:`robot_offload.server.scheduler`). Hedges are at most ``hedge_budget`` of the
+  request goes to that server and the first answer wins. The loser is cancelled: the client
+  stops waiting and takes it back by its ``request_id`` (a ``cancel`` call, not waited
+  for), so a server where it still waits for a slot drops it at once
+  (:mod:`robot_offload.server.scheduler`); one already computing runs to its end. Hedges are at most ``hedge_budget`` of the
   calls (over the last :data:`BUDGET_WINDOW`); their count, wins and extra bytes are in
   :meth:`ServerPool.figures` and each frame's ``stats.extra["pool"]``.
 * **Stateful work stays put.** Operator sessions (``transparent``, ``record_replay``),
@@ -45,9 +46,12 @@ for a ROS master; a fixed list in tests).
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
+import json
 import logging
 import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -69,6 +73,10 @@ _RETRY_CODES = frozenset({StatusCode.BUSY, StatusCode.INTERNAL, StatusCode.MODEL
 BUSY_SKIP_S = 0.2
 #: calls over which the hedge budget is counted
 BUDGET_WINDOW = 200
+#: the counters of :meth:`ServerPool.figures`
+FIGURE_KEYS = ("calls", "hedges", "explored", "hedges_won", "cancelled", "hedge_bytes_up", "failovers")
+#: how long a ``cancel`` of a hedge's loser may take (s); nobody waits for it
+CANCEL_TIMEOUT_S = 1.0
 #: round trips kept per server, for the hedge delay
 LATENCY_WINDOW = 64
 #: round trips of a server needed before hedging uses its percentile
@@ -320,8 +328,9 @@ class ServerPool:
         return frame.report if frame is not None else None
 
     def figures(self) -> dict:
-        """Calls, hedges (sent, won), extra bytes up, failovers, and per server: calls,
-        mean round trip, state."""
+        """The counters of :data:`FIGURE_KEYS` (calls, hedges sent, copies exploring,
+        hedges won, losers cancelled, extra bytes up, failovers; those still 0 absent) and
+        per server: calls, mean round trip, state."""
         with self._lock:
             out = dict(self._figures)
             out["servers"] = {m.name: {"calls": m.calls, "mean_s": round(m.mean_s, 6),
@@ -528,6 +537,27 @@ class ServerPool:
             member.record(request.entry, now - t0, response, now)
         return response
 
+    def _cancel(self, losers: List[_Member], request: ComputeRequest) -> None:
+        """Take ``request`` back from the servers that lost to another's answer (it may
+        still wait there for a compute slot): one small call each, not waited for."""
+        if not losers or not request.request_id:
+            return
+        cancel = ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
+                                args_json=json.dumps({"request_id": request.request_id}))
+
+        def send(member):
+            try:
+                response = member.link.transport.call("compute", cancel, CANCEL_TIMEOUT_S)
+                state = json.loads(response.result_json).get("state") if response.status == StatusCode.OK else None
+            except (TransportError, RemoteError, ValueError, AttributeError) as e:
+                log.debug("%s: cancel of a hedge's loser failed: %s", member.name, e)
+                return
+            if state == "cancelled":
+                with self._lock:
+                    self._figures["cancelled"] += 1
+        for member in losers:
+            self._calls.submit(send, member)
+
     def _failed(self, member: _Member, error: Exception) -> bool:
         """Note a failed call on ``member``; True when another server may answer it."""
         if isinstance(error, RemoteError) and error.code not in _RETRY_CODES:
@@ -542,6 +572,8 @@ class ServerPool:
 
     def _balanced(self, request: ComputeRequest, timeout_s: float) -> ComputeResponse:
         deadline = self.clock() + timeout_s
+        if self.hedge and not request.request_id:     # its name, should a copy win
+            request = dataclasses.replace(request, request_id=secrets.token_hex(8))
         report = self._frame().report
         tried: List[_Member] = []
         running: Dict[concurrent.futures.Future, _Member] = {}
@@ -596,6 +628,7 @@ class ServerPool:
                         report["hedge_won"] += 1
                         with self._lock:
                             self._figures["hedges_won"] += 1
+                    self._cancel(list(running.values()), request)
                     return response
                 now = self.clock()
                 if not hedged and hedge_at is not None and now >= hedge_at and running:

@@ -12,6 +12,7 @@ its arguments as data, and ``session`` scopes server-side tensor handles.
 """
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import List
 
@@ -75,6 +76,8 @@ class LoadModelResponse:
 
 #: Longest deadline a compute request may state (s); 0 states none.
 MAX_DEADLINE_S = 3600.0
+#: a request's ``request_id``, when it has one
+REQUEST_ID_RE = re.compile(r"[0-9a-f]{8,64}")
 
 
 @dataclass
@@ -93,6 +96,9 @@ class ComputeRequest:
     #: Not signed: changing it can only get the request refused or dropped, as dropping
     #: it on the way would.
     deadline_s: float = 0.0
+    #: the client's name for this request (8-64 lowercase hex digits, or "" for none): the
+    #: ``cancel`` entry takes it, to drop the request while it still waits for a slot
+    request_id: str = ""
 
     @property
     def payload_bytes(self) -> int:

@@ -98,6 +98,25 @@ def test_tensor_message_round_trip_through_serialisation():
     torch.testing.assert_close(codec.decode(tensor_from_msg(back)), x, rtol=codec.RTOL["float16"], atol=1e-6)
 
 
+def test_every_compute_request_field_survives_the_service_message():
+    import dataclasses
+    from io import BytesIO
+    from robot_offload.protocol import ComputeRequest
+    from robot_offload.ros.conversions import compute_req_from_srv, compute_req_to_srv
+    from robot_offload.srv import ComputeRequest as ComputeSrvReq
+    req = ComputeRequest(client_id="r1", model="resnet18", entry="forward",
+                         tensors=[codec.encode(torch.ones(2), "x")], args_json='{"a": 1}', session="s",
+                         output_codec="float16", output_compression="zstd", auth="v2:token",
+                         deadline_s=1.5, request_id="00112233aabbccdd")
+    assert all(getattr(req, f.name) != f.default for f in dataclasses.fields(req)
+               if f.default is not dataclasses.MISSING), "give every field a value of its own"
+    buf = BytesIO()
+    compute_req_to_srv(req).serialize(buf)
+    msg = ComputeSrvReq()
+    msg.deserialize(buf.getvalue())
+    assert compute_req_from_srv(msg) == req
+
+
 def test_stats_message_carries_the_backends_detail_as_json():
     """``InferenceStats.detail_json``: a backend's own figures (``FrameStats.extra``)
     survive serialisation; values JSON does not know become strings; too much is cut to

@@ -23,7 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: in compat.PROTOCOL_VERSION.
 RECORDED_WIRE = {1: "16b7236404fe6a56012a8a98c71e05eab2e94b2aff6b829526b553d4dadf08f7",
                  2: "e4a02eed3b73b57491e6ab289261bec405f5986a635afe18aba458823f979db2",
-                 3: "58b1bf9f994c5f17b0f2e710286bee1e6df4119f25e61a24c70781edc2a626e5"}
+                 3: "58b1bf9f994c5f17b0f2e710286bee1e6df4119f25e61a24c70781edc2a626e5",
+                 4: "a4097544947933376c4d8a4f42000ea32a499f7f3e71d9c2886bdf029f716eed"}
 WIRE_FILES = ("msg/Status.msg", "msg/Tensor.msg", "srv/Compute.srv", "srv/LoadModel.srv", "srv/Ping.srv")
 
 # One operator's schema as torch 2.1 prints it and as later releases do (SymInt, defaults

@@ -190,7 +190,9 @@ _ARGS = ["", "{}", " ", '{"cut": "input", "input_shape": [1, 3, 32, 32]}', '{"cu
          # forward_image: valid and out-of-bounds input sizes
          '{"input_size": [32, 32]}', '{"input_size": [8, 12]}', '{"input_size": [0, 32]}',
          '{"input_size": [4097, 2]}', '{"input_size": [1000, 1000]}', '{"input_size": [true, 8]}',
-         '{"input_size": [32, 32], "x": 1}']
+         '{"input_size": [32, 32], "x": 1}',
+         # cancel: a well-formed id, and ids that are not
+         '{"request_id": "0123456789abcdef"}', '{"request_id": "XYZ"}', '{"request_id": 7}']
 
 
 @st.composite
@@ -414,7 +416,7 @@ def test_fuzz_compute_wellformed_nonsense(fuzz_server, valid, entry):
         if r.status == StatusCode.OK:
             for t in r.tensors:
                 codec.decode(t)
-        elif entry in ("forward", "forward_image", "partition_tail", "lop_part"):
+        elif entry in ("forward", "forward_image", "partition_tail", "lop_part", "cancel"):
             assert r.status != StatusCode.INTERNAL, r.status_text   # built-ins: a clear error
         valid.tick(every=5)
 

@@ -333,3 +333,32 @@ def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(s
         assert max(latencies) < 1.2, (latencies, used, figures)
     finally:
         client.close()
+
+
+def test_a_hedges_loser_still_waiting_for_a_slot_is_cancelled_there(servers):
+    """The first answer wins and the loser is taken back: where it still waits for a
+    compute slot (another robot's request holds /a's), /a drops it without computing it."""
+    client, transports = _fleet(servers, mode="full_offload", balance="round_robin", hedge=True,
+                                hedge_budget=0.5)
+    cid = client.config.client_id
+    try:
+        _latencies(client, _frames(12, seed=8), gap_s=0.0)      # round trips for the hedge delay
+        before = servers["/a"].scheduler.client_figures(cid)
+        with _slot_held_by_another_robot(servers["/a"]):
+            latencies = _latencies(client, _frames(4, seed=9), gap_s=0.0)
+            waited = time.monotonic() + 10.0
+            while (servers["/a"].scheduler.client_figures(cid)["cancelled"] == before["cancelled"]
+                   and time.monotonic() < waited):
+                time.sleep(0.02)
+            during = servers["/a"].scheduler.client_figures(cid)
+        time.sleep(0.5)
+        after = servers["/a"].scheduler.client_figures(cid)
+        figures = client.link.figures()
+        assert figures.get("hedges_won", 0) >= 1, figures
+        assert during["cancelled"] > before["cancelled"], (before, during)
+        assert figures.get("cancelled", 0) == during["cancelled"] - before["cancelled"], figures
+        # what was cancelled never ran once the slot was free
+        assert after["served"] == during["served"] and during["served"] == before["served"], (before, after)
+        assert max(latencies) < 2.0, latencies
+    finally:
+        client.close()

@@ -253,3 +253,66 @@ def test_a_batch_waits_batch_wait_s_for_another_clients_request_to_join(wait_s, 
             assert replies[c].status == StatusCode.OK, replies[c].status_text
             torch.testing.assert_close(codec.decode(replies[c].tensors[0]), model(x))
     server.close()
+
+
+def test_a_waiting_request_is_cancelled_by_its_own_client_only():
+    """A client takes back a request that waits for a slot (a hedge's loser): it answers
+    BUSY at once and never computes. Another client cannot take it back, and a started
+    one runs to its end."""
+    sched = FairScheduler(slots=1)
+    release, started = threading.Event(), threading.Event()
+    holder = _hold(sched, "a", started=started, release=release)
+    assert started.wait(5)
+    outcome = []
+
+    def waiter():
+        try:
+            with sched.slot("b", ("forward", "m"), 30.0, request_id="00ff00ff00ff00ff"):
+                outcome.append("ran")
+        except RequestRejected as e:
+            outcome.append((StatusCode(e.code).name, e.text))
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    _queued(sched, 1)
+    assert sched.cancel("a", "00ff00ff00ff00ff") == "unknown"        # not a's to take back
+    assert sched.cancel("b", "0000000000000000") == "unknown"
+    assert sched.status()["queued"] == 1
+    t0 = time.monotonic()
+    assert sched.cancel("b", "00ff00ff00ff00ff") == "cancelled"
+    t.join(5)
+    assert time.monotonic() - t0 < 2.0
+    assert outcome and outcome[0][0] == "BUSY" and "cancelled" in outcome[0][1], outcome
+    assert sched.status()["queued"] == 0 and sched.client_figures("b")["cancelled"] == 1
+    release.set()
+    holder.join(5)
+    # one that runs is not taken back
+    going, done = threading.Event(), threading.Event()
+
+    def runner():
+        with sched.slot("c", ("forward", "m"), 30.0, request_id="abcdefabcdefabcd"):
+            going.set()
+            done.wait(5)
+    r = threading.Thread(target=runner, daemon=True)
+    r.start()
+    assert going.wait(5)
+    assert sched.cancel("c", "abcdefabcdefabcd") == "running"
+    done.set()
+    r.join(5)
+    assert sched.client_figures("c")["served"] == 1
+
+
+def test_the_cancel_entry_takes_back_only_the_callers_request():
+    server = OffloadServer(ServerConfig(device="cpu"))
+    try:
+        cancel = ComputeRequest(client_id="b", model="", entry="cancel",
+                                args_json=json.dumps({"request_id": "1234abcd1234abcd"}))
+        r = server.handle("compute", cancel)
+        assert r.status == StatusCode.OK and json.loads(r.result_json) == {"state": "unknown"}
+        for bad in ('{"request_id": "XYZ"}', '{"request_id": 1}', "{}", '{"request_id": "1234abcd", "x": 1}'):
+            r = server.handle("compute", ComputeRequest(client_id="b", model="", entry="cancel", args_json=bad))
+            assert r.status == StatusCode.BAD_REQUEST, bad
+        r = server.handle("compute", ComputeRequest(client_id="b", model="mobilenet_v2", entry="forward",
+                                                    request_id="not-hex"))
+        assert r.status == StatusCode.BAD_REQUEST and "request_id" in r.status_text
+    finally:
+        server.close()

@@ -44,6 +44,7 @@ from typing import List
 import numpy as np
 
 from robot_offload.errors import ConfigError
+from robot_offload.pool import FIGURE_KEYS
 from robot_offload.testbed import traces as tr
 from robot_offload.testbed._common import TestbedError, start_on_free_port
 from robot_offload.testbed.cgroup import CpuLimit, choose_mechanism
@@ -115,8 +116,7 @@ def summarise(robots: List[dict], duration_s: float) -> dict:
                      "processed": len(lat), "dropped": r["dropped"], "local": local,
                      "fps": len(lat) / duration_s, "offloaded_fps": (len(lat) - local) / duration_s,
                      "p50_s": med[0], "p50_ci_s": med[1:], "p95_s": percentile_ci(lat, 0.95)[0],
-                     "p99_s": percentile_ci(lat, 0.99)[0], **{k: r["pool"].get(k, 0) for k in (
-                         "calls", "hedges", "explored", "hedges_won", "hedge_bytes_up", "failovers")}})
+                     "p99_s": percentile_ci(lat, 0.99)[0], **{k: r["pool"].get(k, 0) for k in FIGURE_KEYS}})
     medians = [row["p50_s"] for row in rows if row["processed"]]
     calls = sum(row["calls"] for row in rows)
     hedges = sum(row["hedges"] for row in rows)
@@ -130,6 +130,7 @@ def summarise(robots: List[dict], duration_s: float) -> dict:
              "calls": calls, "hedges": hedges, "hedge_share": hedges / calls if calls else 0.0,
              "hedges_won": sum(row["hedges_won"] for row in rows),
              "explored": sum(row["explored"] for row in rows),
+             "cancelled": sum(row["cancelled"] for row in rows),
              "hedge_mb_up": sum(row["hedge_bytes_up"] for row in rows) / 1e6,
              "failovers": sum(row["failovers"] for row in rows)}
     return {"robots": rows, "total": total}
@@ -155,6 +156,7 @@ def report_markdown(summary: dict, setup: dict) -> str:
               f"| every offered frame processed or dropped | {'yes' if t['accounted'] else 'NO'} |",
               f"| hedges: share of calls, won, extra MB up | {100 * t['hedge_share']:.1f} %, {t['hedges_won']}, {t['hedge_mb_up']:.1f} |",
               f"| ... of them copies re-measuring a server not used lately | {t['explored']} |",
+              f"| losers cancelled before they started | {t['cancelled']} |",
               f"| calls failed over to another server | {t['failovers']} |", ""]
     return "\n".join(lines)
 

@@ -54,14 +54,14 @@ def compute_req_to_srv(r: ComputeRequest) -> ComputeSrvReq:
     return ComputeSrvReq(client_id=r.client_id, model=r.model, entry=r.entry, args_json=r.args_json,
                          session=r.session, tensors=[tensor_to_msg(t) for t in r.tensors],
                          output_codec=r.output_codec, output_compression=r.output_compression,
-                         auth=r.auth, deadline_s=r.deadline_s)
+                         auth=r.auth, deadline_s=r.deadline_s, request_id=r.request_id)
 
 
 def compute_req_from_srv(m) -> ComputeRequest:
     return ComputeRequest(client_id=m.client_id, model=m.model, entry=m.entry, args_json=m.args_json,
                           session=m.session, tensors=[tensor_from_msg(t) for t in m.tensors],
                           output_codec=m.output_codec, output_compression=m.output_compression,
-                          auth=m.auth, deadline_s=m.deadline_s)
+                          auth=m.auth, deadline_s=m.deadline_s, request_id=m.request_id)
 
 
 def compute_resp_to_srv(r: ComputeResponse) -> ComputeSrvResp:

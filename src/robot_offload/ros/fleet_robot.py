@@ -17,6 +17,7 @@ import numpy as np
 import rospy
 
 from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.pool import FIGURE_KEYS
 from robot_offload.ros.fleet import master_directory
 
 
@@ -89,8 +90,7 @@ def main(argv=None):
                         "hedge_won": pool.get("hedge_won", 0), "failovers": pool.get("failovers", 0),
                         "bytes_up": stats.bytes_up})
     after = client.link.figures()
-    pool = {k: after.get(k, 0) - before.get(k, 0)
-            for k in ("calls", "hedges", "explored", "hedges_won", "hedge_bytes_up", "failovers")}
+    pool = {k: after.get(k, 0) - before.get(k, 0) for k in FIGURE_KEYS}
     with open(args.out, "w") as f:
         json.dump({"client_id": args.client_id, "rate_hz": args.rate_hz, "duration_s": args.duration_s,
                    "offered": offered, "dropped": dropped, "frames": records, "pool": pool,

@@ -277,7 +277,7 @@ class OffloadServer:
             resp = self._batched(run, loaded, req)
         elif run.QUEUED:
             with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model),
-                                     req.deadline_s) as ticket:
+                                     req.deadline_s, request_id=req.request_id) as ticket:
                 resp = run(loaded, req)
             resp.server_queue_s = ticket.waited_s
         else:
@@ -293,7 +293,7 @@ class OffloadServer:
         prepare_s = time.perf_counter() - t0
         batch_key = (req.entry, req.model, tuple(x.shape), str(x.dtype))
         with self.scheduler.slot(str(self.identity_of(req)), (req.entry, req.model), req.deadline_s,
-                                 batch_key=batch_key, payload=x) as ticket:
+                                 batch_key=batch_key, payload=x, request_id=req.request_id) as ticket:
             if ticket.leader is None:
                 members = self.scheduler.gather(ticket, self.config.max_batch - 1, self.config.batch_wait_s)
                 t1 = time.perf_counter()

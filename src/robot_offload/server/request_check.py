@@ -8,7 +8,8 @@ tensor it is not asked to use):
 
 * the request is the method's protocol dataclass, its text fields are strings of at most
   :data:`MAX_TEXT_CHARS` characters;
-* compute: ``deadline_s`` is a number in [0, :data:`~robot_offload.protocol.MAX_DEADLINE_S`]; ``output_codec`` / ``output_compression`` are known; ``args_json`` is empty or
+* compute: ``deadline_s`` is a number in [0, :data:`~robot_offload.protocol.MAX_DEADLINE_S`];
+  ``request_id`` is empty or 8-64 lowercase hex digits; ``output_codec`` / ``output_compression`` are known; ``args_json`` is empty or
   a JSON object of at most :data:`MAX_ARGS_JSON_CHARS` nesting at most
   :data:`MAX_ARGS_JSON_DEPTH` levels; at most :data:`MAX_TENSORS`
   tensors, each with a consistent header (:func:`robot_offload.codec.check_header`: types,
@@ -29,7 +30,7 @@ from robot_offload import codec
 from robot_offload.compat import MAX_VERSIONS_JSON_CHARS
 from robot_offload.codec import EncodedTensor
 from robot_offload.errors import CodecError, OffloadError
-from robot_offload.protocol import MAX_DEADLINE_S, METHODS, StatusCode
+from robot_offload.protocol import MAX_DEADLINE_S, METHODS, REQUEST_ID_RE, StatusCode
 
 #: Longest client_id, model, entry, session, codec name, weights hash or token (characters).
 MAX_TEXT_CHARS = 1024
@@ -111,6 +112,8 @@ def _check_compute(req, max_request_bytes: int) -> None:
     if (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
             or not 0.0 <= deadline <= MAX_DEADLINE_S):
         raise _bad(f"deadline_s must be a number of seconds in [0, {MAX_DEADLINE_S:g}], got {deadline!r}")
+    if req.request_id and not (isinstance(req.request_id, str) and REQUEST_ID_RE.fullmatch(req.request_id)):
+        raise _bad("request_id must be empty or 8-64 lowercase hex digits")
     if req.output_codec not in codec.CODECS:
         raise _bad(f"unknown output_codec {req.output_codec!r}; known: {list(codec.CODECS)}")
     if req.output_compression not in codec.COMPRESSIONS:

@@ -27,6 +27,11 @@ the best use of one GPU, or of the CPU's threads).
   already waits when a slot frees, so an idle server adds no latency and a busy one
   batches the most; with ``batch_wait_s`` the request holds its slot up to that long
   (never past its own deadline) for other clients' requests to join.
+* **Cancelling.** A client may take back a request of its own that still waits, by its
+  ``request_id`` (:meth:`FairScheduler.cancel`, the ``cancel`` entry): the request answers
+  ``BUSY`` at once and costs no compute. A client whose hedged copy answered first on
+  another server does so, instead of leaving the loser to run. Once started, a request
+  runs to its end.
 * **Bounds.** At most ``max_queued_per_client`` requests of one client wait at once (a
   further one is BUSY), and per-client figures are kept for at most ``max_clients``
   clients (least recently seen dropped).
@@ -74,6 +79,8 @@ class _Ticket:
     error: Optional[BaseException] = None
     compute_s: float = 0.0
     batch_size: int = 1
+    request_id: str = ""
+    cancelled: bool = False
 
     @property
     def waited_s(self) -> float:
@@ -87,13 +94,14 @@ class ClientFigures:
     served: int = 0
     refused_busy: int = 0        # answered BUSY before queueing (admission, queue bound)
     dropped: int = 0             # waited past its deadline
+    cancelled: int = 0           # taken back by the client while waiting
     mean_wait_s: float = 0.0     # running mean of the queue wait of served requests
     mean_compute_s: float = 0.0  # ... and of their compute time
     seen_at: float = 0.0
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "served": self.served, "busy": self.refused_busy,
-                "dropped": self.dropped, "mean_wait_s": round(self.mean_wait_s, 6),
+                "dropped": self.dropped, "cancelled": self.cancelled, "mean_wait_s": round(self.mean_wait_s, 6),
                 "mean_compute_s": round(self.mean_compute_s, 6)}
 
 
@@ -123,14 +131,14 @@ class FairScheduler:
     # -- the one entry point ------------------------------------------------------------
     @contextmanager
     def slot(self, client: str, key: Tuple[str, str], deadline_s: float = 0.0,
-             batch_key: Optional[tuple] = None, payload=None):
+             batch_key: Optional[tuple] = None, payload=None, request_id: str = ""):
         """Hold a compute slot for the ``with`` body; yields the ticket (``waited_s``).
         Raises RequestRejected (BUSY) when the request cannot start in time.
 
         With a ``batch_key``, the request may instead be taken into another client's batch
         (:meth:`gather`): then the body gets the ticket with ``leader`` set and its
         ``result`` (or ``error``) already there, and holds no slot."""
-        ticket = self._admit(client, key, deadline_s, batch_key, payload)
+        ticket = self._admit(client, key, deadline_s, batch_key, payload, request_id)
         self._wait(ticket)
         if ticket.leader is not None:
             if not ticket.done.wait(self.max_wait_s):
@@ -264,8 +272,30 @@ class FairScheduler:
             max(t.expected_s - (now - t.started_at), now - t.started_at) for t in self._running.values())
         return (ahead + running) / self.slots
 
+    def cancel(self, client: str, request_id: str) -> str:
+        """Take back ``client``'s request ``request_id`` if it still waits: it answers BUSY
+        at once. Returns ``"cancelled"``, ``"running"`` (started: it runs to its end) or
+        ``"unknown"`` (finished, taken into another client's batch, never seen, or another
+        client's)."""
+        if not request_id:
+            return "unknown"
+        with self._lock:
+            queue = self._waiting.get(client)
+            for ticket in queue or ():
+                if ticket.request_id == request_id:
+                    queue.remove(ticket)
+                    if not queue:
+                        del self._waiting[client]
+                    ticket.cancelled = True
+                    self._figures(client).cancelled += 1
+                    ticket.granted.set()          # wakes its waiter, which sees it cancelled
+                    return "cancelled"
+            if any(t.client == client and t.request_id == request_id for t in self._running.values()):
+                return "running"
+        return "unknown"
+
     def _admit(self, client: str, key: Tuple[str, str], deadline_s: float,
-               batch_key: Optional[tuple] = None, payload=None) -> _Ticket:
+               batch_key: Optional[tuple] = None, payload=None, request_id: str = "") -> _Ticket:
         now = self.clock()
         with self._lock:
             figures = self._figures(client)
@@ -284,13 +314,19 @@ class FairScheduler:
                     f"server busy: about {wait:.3f} s of queued work before this request and "
                     f"{expected:.3f} s of its own, past its deadline of {deadline_s:.3f} s"))
             bound = deadline_s if deadline_s > 0 else self.max_wait_s
-            ticket = _Ticket(client, key, expected, now + bound, now, batch_key=batch_key, payload=payload)
+            ticket = _Ticket(client, key, expected, now + bound, now, batch_key=batch_key, payload=payload,
+                             request_id=request_id)
             self._waiting.setdefault(client, deque()).append(ticket)
             self._dispatch_locked()
             self._arrived.notify_all()
         return ticket
 
     def _wait(self, ticket: _Ticket) -> None:
+        self._wait_granted(ticket)
+        if ticket.cancelled:
+            raise RequestRejected(StatusCode.BUSY, "cancelled by its client while waiting for a compute slot")
+
+    def _wait_granted(self, ticket: _Ticket) -> None:
         while not ticket.granted.is_set():
             left = ticket.deadline_at - self.clock()
             if left > 0:

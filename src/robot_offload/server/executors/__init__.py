@@ -4,6 +4,7 @@ each for one server (their state is theirs, not the modules')."""
 from typing import Dict
 
 from robot_offload.server.base import Executor
+from robot_offload.server.executors.cancel import CancelExecutor
 from robot_offload.server.executors.forward import ForwardExecutor
 from robot_offload.server.executors.forward_image import ForwardImageExecutor
 from robot_offload.server.executors.lop import LopExecutor
@@ -11,7 +12,8 @@ from robot_offload.server.executors.ops import OpsExecutor
 from robot_offload.server.executors.partition import PartitionTailExecutor
 from robot_offload.server.sandbox import SandboxedOps
 
-CLASSES = (ForwardExecutor, ForwardImageExecutor, PartitionTailExecutor, LopExecutor, OpsExecutor)
+CLASSES = (ForwardExecutor, ForwardImageExecutor, PartitionTailExecutor, LopExecutor, OpsExecutor,
+           CancelExecutor)
 
 
 def build(server) -> Dict[str, Executor]:
