@@ -30,15 +30,17 @@ transport, model load, version check and reconnect prober.
   request goes to that server and the first answer wins. The loser is cancelled: the client
   stops waiting and takes it back by its ``request_id`` (a ``cancel`` call, not waited
   for), so a server where it still waits for a slot drops it at once
-  (:mod:`robot_offload.server.scheduler`); one already computing runs to its end. Hedges are at most ``hedge_budget`` of the
-  calls (over the last :data:`BUDGET_WINDOW`); their count, wins and extra bytes are in
-  :meth:`ServerPool.figures` and each frame's ``stats.extra["pool"]``.
+  (:mod:`robot_offload.server.scheduler`); one already computing runs to its end. Hedges
+  are at most ``hedge_budget`` of the calls (over the last :data:`BUDGET_WINDOW`); their
+  count, wins and extra bytes are in :meth:`ServerPool.figures` and each frame's
+  ``stats.extra["pool"]``.
 * **Stateful work stays put.** Operator sessions (``transparent``, ``record_replay``),
   ``lop``'s paired requests and anything else sent through :attr:`ServerPool.transport`
   go to one *home* server, kept while it is up (a preparation every server should have,
   ``lop``'s graph capture at a new input shape, goes to the others too, not waited
-  for). When it is lost, the next call moves the home to the best server up; the backend's session fails once there (its handles are
-  unknown), that frame is computed locally, and the session is rebuilt on the new home.
+  for). When it is lost, the next call moves the home to the best server up; the
+  backend's session fails once there (its handles are unknown), that frame is computed
+  locally, and the session is rebuilt on the new home.
 
 No rospy here: the directory is given (:func:`robot_offload.ros.fleet.master_directory`
 for a ROS master; a fixed list in tests).
@@ -286,8 +288,9 @@ class ServerPool:
         home = self.home
         if home is None:
             raise ServerUnavailable(f"no offload server available: {self.last_error}")
-        if placement == EVERY_SERVER:
-            self._to_the_others(home, request, timeout_s)
+        if placement == EVERY_SERVER:     # a preparation the others should have too
+            self._send_aside([m for m in self._snapshot() if m is not home and m.link.available],
+                             request, timeout_s)
         self._frame().report["servers"].append(home.name)
         return self._timed(home, request, timeout_s)
 
@@ -467,10 +470,10 @@ class ServerPool:
 
     def _hedge_delay_s(self, entry: str) -> Optional[float]:
         """When a call to ``entry`` is late enough to hedge: the ``hedge_percentile`` of the
-        recent round trips there of the server that answers fastest (a slow server's own percentile would
-        only say its calls are always late), or of all of them while no server has
-        :data:`MIN_SAMPLES`; None when hedging is off, unmeasured or past
-        its budget."""
+        recent round trips there of the server that answers fastest (a slow server's own
+        percentile would only say its calls are always late), or of all of them while no
+        server has :data:`MIN_SAMPLES`; None when hedging is off, unmeasured or past its
+        budget."""
         if not self.hedge:
             return None
         with self._lock:
@@ -494,18 +497,20 @@ class ServerPool:
             frame = self._tls.frame = _Frame()
         return frame
 
-    def _to_the_others(self, home: _Member, request: ComputeRequest, timeout_s: float) -> None:
-        """Copies of ``request`` to every server up but ``home``, not waited for: a
-        preparation each of them should have before calls balanced there need it. A
-        failure shows on the next real call."""
-        others = [m for m in self._snapshot() if m is not home and m.link.available]
-        for member in others:
-            def prepare(member=member):
-                try:
-                    member.link.compute(request, timeout_s)
-                except (TransportError, RemoteError) as e:
-                    log.debug("%s: %s not prepared: %s", member.name, request.entry, e)
-            self._calls.submit(prepare)
+    def _send_aside(self, members: List[_Member], request: ComputeRequest, timeout_s: float,
+                    answered: Optional[Callable[[ComputeResponse], None]] = None) -> None:
+        """``request`` to each of ``members`` on a worker, not waited for; ``answered``
+        gets each OK answer. A failure is only logged: the next real call finds it out."""
+        def send(member):
+            try:
+                response = member.link.compute(request, timeout_s)
+            except (TransportError, RemoteError) as e:
+                log.debug("%s: %s not answered: %s", member.name, request.entry, e)
+                return
+            if answered is not None:
+                answered(response)
+        for member in members:
+            self._calls.submit(send, member)
 
     def _count_hedge(self, report: dict, request: ComputeRequest, why: str = "") -> None:
         """A copy of ``request`` sent: in the frame's report and the pool's figures, also
@@ -542,21 +547,18 @@ class ServerPool:
         still wait there for a compute slot): one small call each, not waited for."""
         if not losers or not request.request_id:
             return
-        cancel = ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
-                                args_json=json.dumps({"request_id": request.request_id}))
 
-        def send(member):
+        def counted(response: ComputeResponse) -> None:
             try:
-                response = member.link.transport.call("compute", cancel, CANCEL_TIMEOUT_S)
-                state = json.loads(response.result_json).get("state") if response.status == StatusCode.OK else None
-            except (TransportError, RemoteError, ValueError, AttributeError) as e:
-                log.debug("%s: cancel of a hedge's loser failed: %s", member.name, e)
+                state = json.loads(response.result_json).get("state")
+            except (ValueError, AttributeError):     # a reply is data from the network
                 return
             if state == "cancelled":
                 with self._lock:
                     self._figures["cancelled"] += 1
-        for member in losers:
-            self._calls.submit(send, member)
+        self._send_aside(losers, ComputeRequest(
+            client_id=request.client_id, model=request.model, entry="cancel",
+            args_json=json.dumps({"request_id": request.request_id})), CANCEL_TIMEOUT_S, counted)
 
     def _failed(self, member: _Member, error: Exception) -> bool:
         """Note a failed call on ``member``; True when another server may answer it."""

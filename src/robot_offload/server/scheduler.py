@@ -101,8 +101,8 @@ class ClientFigures:
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "served": self.served, "busy": self.refused_busy,
-                "dropped": self.dropped, "cancelled": self.cancelled, "mean_wait_s": round(self.mean_wait_s, 6),
-                "mean_compute_s": round(self.mean_compute_s, 6)}
+                "dropped": self.dropped, "cancelled": self.cancelled,
+                "mean_wait_s": round(self.mean_wait_s, 6), "mean_compute_s": round(self.mean_compute_s, 6)}
 
 
 def _mean(old: float, new: float, first: bool) -> float:
@@ -322,11 +322,6 @@ class FairScheduler:
         return ticket
 
     def _wait(self, ticket: _Ticket) -> None:
-        self._wait_granted(ticket)
-        if ticket.cancelled:
-            raise RequestRejected(StatusCode.BUSY, "cancelled by its client while waiting for a compute slot")
-
-    def _wait_granted(self, ticket: _Ticket) -> None:
         while not ticket.granted.is_set():
             left = ticket.deadline_at - self.clock()
             if left > 0:
@@ -344,6 +339,8 @@ class FairScheduler:
             raise RequestRejected(StatusCode.BUSY, (
                 f"dropped after waiting {self.clock() - ticket.queued_at:.3f} s for a compute slot: "
                 "past the time its client waits"))
+        if ticket.cancelled:       # woken by cancel(), not by a slot
+            raise RequestRejected(StatusCode.BUSY, "cancelled by its client while waiting for a compute slot")
 
     def _dispatch_locked(self) -> None:
         while self._free > 0 and self._waiting:

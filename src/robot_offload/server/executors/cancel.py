@@ -8,6 +8,7 @@ import json
 
 from robot_offload.protocol import REQUEST_ID_RE, ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.server.base import Executor, bad_request
+from robot_offload.server.executors.partition import json_object
 
 
 class CancelExecutor(Executor):
@@ -17,11 +18,8 @@ class CancelExecutor(Executor):
     def __call__(self, loaded, req: ComputeRequest) -> ComputeResponse:
         if req.tensors:
             raise bad_request("cancel takes no tensors")
-        try:
-            args = json.loads(req.args_json or "{}")
-        except ValueError:
-            raise bad_request("cancel: args_json is not JSON") from None
-        if not isinstance(args, dict) or set(args) != {"request_id"}:
+        args = json_object(req.args_json)
+        if set(args) != {"request_id"}:
             raise bad_request('cancel takes exactly {"request_id": "<8-64 hex digits>"}')
         request_id = args["request_id"]
         if not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id):

@@ -76,7 +76,7 @@ def model_graph(loaded: LoadedModel) -> ModelGraph:
 
 
 def json_object(args_json: str) -> dict:
-    """``args_json`` as a JSON object, or BAD_REQUEST (shared by the partition entries)."""
+    """``args_json`` as a JSON object, or BAD_REQUEST (shared by the entries that take arguments)."""
     if not isinstance(args_json, str) or len(args_json) > 1 << 20:
         raise _bad("args_json must be a JSON string under 1 MiB")
     try:
