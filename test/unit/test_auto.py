@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from robot_offload import structure
-from robot_offload.backends.auto import LOP, _Option
+from robot_offload.backends.auto import IMAGE, LOP, LOP_PARTITION, LOP_SPATIAL, PredictionErrors, _Option
 from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.models import get_spec, names
 from robot_offload.transport.inproc import InProcessTransport
@@ -172,6 +172,27 @@ def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
                                     [lead, far]) is None
 
 
+def test_each_kind_of_prediction_is_corrected_by_its_own_errors():
+    """lop's layer partitions and the image offload measured below their predictions; a
+    spatial schedule no frame has run is taken as predicted, not corrected by the
+    partitions' error: in a bucket nothing has timed, the image (corrected) ranks first."""
+    errors = PredictionErrors(min_samples=2)
+    image = _Option(IMAGE, 0.0417, 1.0, kind=IMAGE, raw_latency_s=0.0417)
+    spatial = _Option(LOP, 0.038, 1.0, kind=LOP_SPATIAL, raw_latency_s=0.038)
+    partition = _Option(LOP, 0.0316, 1.0, kind=LOP_PARTITION, raw_latency_s=0.0316)
+    errors.observe(IMAGE, 0.0417, 0.035)
+    assert errors.correct(image).latency_s == pytest.approx(0.0417)       # one sample is not two
+    errors.observe(IMAGE, 0.0417, 0.035)
+    for _ in range(2):
+        errors.observe(LOP_PARTITION, 0.0316, 0.0275)
+    assert errors.correct(image).latency_s == pytest.approx(0.035)
+    assert errors.correct(partition).latency_s == pytest.approx(0.0275)
+    assert errors.correct(spatial).latency_s == pytest.approx(0.038)
+    assert errors.correct(errors.correct(image)).latency_s == pytest.approx(0.035)   # not twice
+    ranked = sorted([errors.correct(spatial), errors.correct(image)], key=lambda o: o.latency_s)
+    assert ranked[0].kind == IMAGE
+
+
 def test_lop_frames_that_solved_or_profiled_are_no_sample(shared_server, profile_dir):
     """layer_partition of the same client measured the profile first; auto's first lop
     frame then solves lop's schedules (seconds on a robot): lop says it was not timed,
@@ -190,6 +211,10 @@ def test_lop_frames_that_solved_or_profiled_are_no_sample(shared_server, profile
         assert auto.choice.error_samples(lop_option) == 0
         _, later = client.process(frame)
         assert later.extra["lop"]["timed"] is True and auto.choice.error_samples(lop_option) == 1
+        # ... and its error is kept for what lop ran (a layer partition), not for lop as a whole
+        assert later.extra["lop"]["spatial"] is False
+        assert len(auto.errors._ratios[LOP_PARTITION]) == 1 and LOP_SPATIAL not in auto.errors._ratios
+        assert later.extra["auto"]["predicted"][LOP]["of"] == LOP_PARTITION
     finally:
         client.close()
 
