@@ -87,8 +87,9 @@ class MeasuredChoice:
         """Whether ``alternative`` is run and timed beside ``plan`` in ``bucket``.
 
         Measured here (``min_samples`` frames): while its median is within ``margin`` of
-        the plan's. Its latency in this bucket is the best evidence there is, whatever was
-        predicted: an alternative that ran faster than the plan here used to be dropped
+        the plan's; on fewer frames: unless they measured more than ``(1 + margin) ** 2``
+        times the plan's median. Its latency in this bucket is the best evidence there is,
+        whatever was predicted: an alternative that ran faster than the plan here used to be dropped
         when it was no close call by prediction, and the bucket went back to the slower
         plan (MobileNetV2 at 100 Mbit/s on the testbed: the input cut measured
         25 ms, served a cut measured 30).
@@ -110,6 +111,12 @@ class MeasuredChoice:
         ref = self.median_s(bucket, plan)
         if n >= self.min_samples:
             return ref is None or self.median_s(bucket, alternative) <= ref * (1 + self.margin)
+        if n and ref is not None and self.median_s(bucket, alternative) > ref * (1 + self.margin) ** 2:
+            # Its first frame here measured slower than the plan by more than ``margin``
+            # twice over: a second probe to confirm it costs as much again (KAPAO-L at
+            # 50 Mbit/s: a cut probed at 729 ms beside a spatial schedule at 395, then
+            # probed again at 707 ms).
+            return False
         if self.nearby_best(bucket, alternative):
             return True
         if n == 0 and self.ruled_out(plan, alternative):
