@@ -193,6 +193,16 @@ def test_the_oracle_picks_the_best_fixed_mode_per_window_of_the_trace():
     assert lo <= float(ratio) <= hi
     # no auto in the cell, or no fixed mode: no row
     assert oracle_table([r for r in rows if r["mode_asked"] != "auto"]) == ""
+    # by joules per inference: local costs 10x its latency in mJ, full offload 1x, so
+    # the references follow the energy, not the latency
+    for r in rows:
+        if not r.get("lost"):
+            r["energy_j"] = r["latency_s"] * (10.0 if r["mode_asked"] == "local" else 1.0)
+    e = oracle_latencies([r for r in rows if not r.get("lost")], metric="energy_j")
+    assert e["best_fixed_mode"] == "full_offload"
+    assert [e["oracle"][i] for i in (0, 20)] == [0.030, 0.020]     # full offload in both windows
+    energy_row = oracle_table(rows, metric="energy_j").splitlines()
+    assert "mJ" in energy_row[0] and energy_row[2].split("|")[5].strip() == "full_offload (25.0)"
 
 
 def test_auto_frames_have_a_prediction_row_per_candidate():

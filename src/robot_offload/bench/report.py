@@ -163,10 +163,11 @@ ORACLE_WINDOW_S = 1.0
 
 
 def oracle_latencies(rows: Sequence[dict], chooser: str = "auto",
-                     window_s: float = ORACLE_WINDOW_S) -> Dict[str, Dict[int, float]]:
+                     window_s: float = ORACLE_WINDOW_S, metric: str = "latency_s") -> Dict[str, Dict[int, float]]:
     """For one cell of an interleaved run (every mode ran frame i at the same point of the
-    trace): per frame number, the latency (s) of ``chooser`` and of three references
-    built from the fixed modes (every other mode) on the same frames:
+    trace): per frame number, the ``metric`` (``latency_s``, or ``energy_j``: joules per
+    inference) of ``chooser`` and of three references built from the fixed modes (every
+    other mode) on the same frames, each chosen by that metric:
 
     - ``best_fixed``: the fixed mode with the lowest median over the cell;
     - ``oracle``: a hindsight oracle that knows the trace, per ``window_s`` of it the fixed
@@ -185,7 +186,7 @@ def oracle_latencies(rows: Sequence[dict], chooser: str = "auto",
     frames = sorted(set(by_mode[chooser]).intersection(*(set(by_mode[m]) for m in fixed)))
     if not frames:
         return {}
-    lat = {m: {f: float(by_mode[m][f]["latency_s"]) for f in frames} for m in fixed}
+    lat = {m: {f: float(by_mode[m][f][metric]) for f in frames} for m in fixed}
     best = min(fixed, key=lambda m: float(np.median(list(lat[m].values()))))
     windows: Dict[int, List[int]] = {}
     for f in frames:
@@ -194,7 +195,7 @@ def oracle_latencies(rows: Sequence[dict], chooser: str = "auto",
     for fs in windows.values():
         m = min(fixed, key=lambda m: float(np.median([lat[m][f] for f in fs])))
         oracle.update({f: lat[m][f] for f in fs})
-    return {chooser: {f: float(by_mode[chooser][f]["latency_s"]) for f in frames},
+    return {chooser: {f: float(by_mode[chooser][f][metric]) for f in frames},
             "best_fixed": {f: lat[best][f] for f in frames}, "oracle": oracle,
             "frame_min": {f: min(lat[m][f] for m in fixed) for f in frames},
             "best_fixed_mode": best}
@@ -215,16 +216,18 @@ def paired_mean_ratio_ci(a: Dict[int, float], b: Dict[int, float], level: float 
     return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
 
 
-def oracle_table(rows: Sequence[dict], chooser: str = "auto") -> str:
+def oracle_table(rows: Sequence[dict], chooser: str = "auto", metric: str = "latency_s") -> str:
     """Per model and trace of an interleaved run: ``chooser``'s mean and median latency
-    against the best fixed mode and the per-window hindsight oracle (mean ratios with
-    paired 95 % intervals), and the per-frame minimum for information."""
-    lines = [f"| model | trace | frames | {chooser} mean / median ms | best fixed (mean ms) | "
-             f"oracle mean ms | frame-min mean ms | {chooser} / best fixed (95 % CI) | "
+    (or, with ``metric="energy_j"``, joules per inference, in mJ) against the best fixed
+    mode and the per-window hindsight oracle (mean ratios with paired 95 % intervals),
+    and the per-frame minimum for information."""
+    unit = "mJ" if metric == "energy_j" else "ms"
+    lines = [f"| model | trace | frames | {chooser} mean / median {unit} | best fixed (mean {unit}) | "
+             f"oracle mean {unit} | frame-min mean {unit} | {chooser} / best fixed (95 % CI) | "
              f"{chooser} / oracle (95 % CI) |", "|---|---|---|---|---|---|---|---|---|"]
     for (model, trace), rs in sorted(_group([r for r in rows if not r.get("lost")],
                                             ("model", "trace")).items()):
-        o = oracle_latencies(rs, chooser)
+        o = oracle_latencies(rs, chooser, metric=metric)
         if not o:
             continue
         a = o[chooser]
@@ -415,6 +418,11 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                f"runs, per {ORACLE_WINDOW_S:g} s of the trace, the fixed mode with the lowest "
                f"median latency in that window; frame-min is each frame's fastest fixed mode "
                f"(unattainable, for information).\n", oracle, ""]
+    energy = oracle_table(frames, metric="energy_j")
+    if energy:
+        md += ["## auto against the fixed modes: energy per inference\n",
+               "The same references chosen by the robot's joules per inference (the power "
+               "model's, see the Results' j_per_inference) instead of latency.\n", energy, ""]
     md += ["## Planner prediction\n", prediction_table(frames)]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]

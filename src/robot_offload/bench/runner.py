@@ -69,6 +69,7 @@ class BenchConfig:
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
     camera_size: Tuple[int, int] = (640, 480)   # image frames' width and height (px)
+    objective: str = "latency"       # the client's objective parameter (latency | energy)
 
     @property
     def pairs_traces(self) -> bool:
@@ -153,6 +154,13 @@ class BenchRunner:
     def _log(self, name):
         return open(os.path.join(self.log_dir, name), "w")
 
+    def _client_config(self) -> str:
+        """A client parameter file (loaded over config/client.yaml) setting the objective."""
+        path = os.path.abspath(os.path.join(self.log_dir, "client-objective.yaml"))
+        with open(path, "w") as f:
+            f.write(f"objective: {self.cfg.objective}\n")
+        return path
+
     def run(self) -> List[dict]:
         cfg = self.cfg
         rows: List[dict] = []
@@ -177,6 +185,9 @@ class BenchRunner:
                 self.notes.append("paired trace: every mode's frame i started at the same point of "
                                   "the bandwidth trace, and frame i + 1 where the slowest mode's "
                                   "frame i ended (frames.csv: trace_s)")
+            if cfg.objective != "latency":
+                self.notes.append(f"client objective: {cfg.objective} (what the plans of "
+                                  "layer_partition and lop, and auto's choice, minimise)")
             if cfg.settle_s > 0:
                 self.notes.append(f"{1e3 * cfg.settle_s:g} ms of idle before every frame "
                                   "(the robot's CPU quota refilled)")
@@ -247,6 +258,8 @@ class BenchRunner:
                       "mode:=local", f"input_size:=[{','.join(map(str, size))}]",
                       "image_topic:=/bench/image", "points_topic:=/bench/points",
                       f"timeout_s:={cfg.timeout_s}"]
+        if cfg.objective != "latency":
+            robot_argv.append(f"client_config:={self._client_config()}")
         # Robot nodes inherit the CPU quota from roslaunch (None: no limit).
         robot = self._run(tb, "robot", robot_argv, env=robot_env, cpu_limit=lim,
                           stdout=self._log(f"robot-{model}.log"), stderr=subprocess.STDOUT)
