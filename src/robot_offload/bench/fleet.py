@@ -118,21 +118,17 @@ def summarise(robots: List[dict], duration_s: float) -> dict:
                      "p50_s": med[0], "p50_ci_s": med[1:], "p95_s": percentile_ci(lat, 0.95)[0],
                      "p99_s": percentile_ci(lat, 0.99)[0], **{k: r["pool"].get(k, 0) for k in FIGURE_KEYS}})
     medians = [row["p50_s"] for row in rows if row["processed"]]
-    calls = sum(row["calls"] for row in rows)
-    hedges = sum(row["hedges"] for row in rows)
-    total = {"fps": sum(row["fps"] for row in rows),
+    pool = {k: sum(row[k] for row in rows) for k in FIGURE_KEYS}
+    calls, hedges = pool["calls"], pool["hedges"]
+    total = {**pool, "fps": sum(row["fps"] for row in rows),
              "offloaded_fps": sum(row["offloaded_fps"] for row in rows),
              "p50_s": percentile_ci(every, 0.5), "p95_s": percentile_ci(every, 0.95),
              "p99_s": percentile_ci(every, 0.99),
              "fairness": max(medians) / min(medians) if medians else float("nan"),
              "local": sum(row["local"] for row in rows),
              "accounted": all(row["processed"] + row["dropped"] == row["offered"] for row in rows),
-             "calls": calls, "hedges": hedges, "hedge_share": hedges / calls if calls else 0.0,
-             "hedges_won": sum(row["hedges_won"] for row in rows),
-             "explored": sum(row["explored"] for row in rows),
-             "cancelled": sum(row["cancelled"] for row in rows),
-             "hedge_mb_up": sum(row["hedge_bytes_up"] for row in rows) / 1e6,
-             "failovers": sum(row["failovers"] for row in rows)}
+             "hedge_share": hedges / calls if calls else 0.0,
+             "hedge_mb_up": pool["hedge_bytes_up"] / 1e6}
     return {"robots": rows, "total": total}
 
 
