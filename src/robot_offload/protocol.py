@@ -76,8 +76,8 @@ class LoadModelResponse:
 
 #: Longest deadline a compute request may state (s); 0 states none.
 MAX_DEADLINE_S = 3600.0
-#: a request's ``request_id``, when it has one
-REQUEST_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+#: an id a client makes up (a request's ``request_id``, a ``lop`` frame's): matched whole
+ID_RE = re.compile(r"[0-9a-f]{8,64}")
 
 
 @dataclass

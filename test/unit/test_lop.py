@@ -603,6 +603,11 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
             {**good, "join": "sideways"},
             {**good, "join": 1},
         ]
+        # the arguments alone: the good ones parse, a frame id is matched whole
+        assert lop_executor.parse_args(json.dumps(good), 10 ** 8)["frame"] == good["frame"]
+        for frame in ("00ff00ff00ff\n", "00FF00FF00FF", "00ff", "0" * 65, 12345678):
+            with pytest.raises(RequestRejected):
+                lop_executor.parse_args(json.dumps({**good, "frame": frame}), 10 ** 8)
         for i, args in enumerate(bad):
             args = {**args, "frame": args["frame"] if args["frame"] != good["frame"] else f"{i:08x}"}
             with pytest.raises(RequestRejected) as e:

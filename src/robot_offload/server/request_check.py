@@ -30,7 +30,7 @@ from robot_offload import codec
 from robot_offload.compat import MAX_VERSIONS_JSON_CHARS
 from robot_offload.codec import EncodedTensor
 from robot_offload.errors import CodecError, OffloadError
-from robot_offload.protocol import MAX_DEADLINE_S, METHODS, REQUEST_ID_RE, StatusCode
+from robot_offload.protocol import MAX_DEADLINE_S, METHODS, ID_RE, StatusCode
 
 #: Longest client_id, model, entry, session, codec name, weights hash or token (characters).
 MAX_TEXT_CHARS = 1024
@@ -112,7 +112,7 @@ def _check_compute(req, max_request_bytes: int) -> None:
     if (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
             or not 0.0 <= deadline <= MAX_DEADLINE_S):
         raise _bad(f"deadline_s must be a number of seconds in [0, {MAX_DEADLINE_S:g}], got {deadline!r}")
-    if req.request_id and not (isinstance(req.request_id, str) and REQUEST_ID_RE.fullmatch(req.request_id)):
+    if req.request_id and not (isinstance(req.request_id, str) and ID_RE.fullmatch(req.request_id)):
         raise _bad("request_id must be empty or 8-64 lowercase hex digits")
     if req.output_codec not in codec.CODECS:
         raise _bad(f"unknown output_codec {req.output_codec!r}; known: {list(codec.CODECS)}")

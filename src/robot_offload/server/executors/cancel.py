@@ -6,7 +6,7 @@ the identity authentication proved, so no client can take back another's request
 
 import json
 
-from robot_offload.protocol import REQUEST_ID_RE, ComputeRequest, ComputeResponse, StatusCode
+from robot_offload.protocol import ID_RE, ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.server.base import Executor, bad_request
 from robot_offload.server.executors.partition import json_object
 
@@ -22,7 +22,7 @@ class CancelExecutor(Executor):
         if set(args) != {"request_id"}:
             raise bad_request('cancel takes exactly {"request_id": "<8-64 hex digits>"}')
         request_id = args["request_id"]
-        if not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id):
+        if not isinstance(request_id, str) or not ID_RE.fullmatch(request_id):
             raise bad_request("cancel: request_id must be 8-64 lowercase hex digits")
         state = self.server.scheduler.cancel(str(self.server.identity_of(req)), request_id)
         return ComputeResponse(status=StatusCode.OK, tensors=[], structure_json="null",

@@ -43,7 +43,6 @@ in range), and nothing received is evaluated.
 
 import concurrent.futures
 import json
-import re
 import threading
 import time
 from typing import Dict, List, Tuple
@@ -55,7 +54,7 @@ from robot_offload.server.executors.partition import (_bad, _cut, _record, _stat
                                                      json_object, model_graph, node_names, run_tail)
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError
 from robot_offload.partition.spatial import Region, SpatialGraph
-from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
+from robot_offload.protocol import ID_RE, ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.server.base import Executor, LoadedModel, RequestRejected
 
 ENTRY = "lop_part"
@@ -65,7 +64,6 @@ PART_OPTIONAL = frozenset({"join"})
 JOINS = ("server", "robot")
 FINISH_KEYS = frozenset({"phase", "frame", "last", "input_shape"})
 FINISH_OPTIONAL = frozenset({"until"})
-FRAME_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_FRAMES = 32
 FRAME_TTL_S = 30.0
 MAX_SPATIAL = 4         # spatial graphs kept per model (one per input shape)
@@ -91,7 +89,7 @@ def parse_args(args_json: str, max_elements: int) -> dict:
     if not keys <= set(args) <= keys | optional:
         raise _bad(f"lop_part {phase} takes exactly {sorted(keys)}"
                    + (f", and optionally {sorted(optional)}" if optional else ""))
-    if phase != "prepare" and (not isinstance(args["frame"], str) or not FRAME_RE.match(args["frame"])):
+    if phase != "prepare" and (not isinstance(args["frame"], str) or not ID_RE.fullmatch(args["frame"])):
         raise _bad("'frame' must be 8..64 lowercase hex digits")
     args["input_shape"] = input_shape(args["input_shape"], max_elements)
     if phase == "prepare":
