@@ -66,6 +66,9 @@ class _Option:
     kind: str = ""
     raw_latency_s: float = 0.0
 
+    def describe(self) -> str:
+        return self.key
+
 
 class PredictionErrors:
     """Measured / predicted latency of the last frames, per kind of prediction.
@@ -97,9 +100,6 @@ class PredictionErrors:
     def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 0 and measured_s >= 0:
             self._ratios.setdefault(kind, deque(maxlen=self.window)).append(measured_s / predicted_s)
-
-    def describe(self) -> str:
-        return self.key
 
 
 @register_backend
