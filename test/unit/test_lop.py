@@ -795,6 +795,22 @@ def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profi
             assert not frame.extra["lop"]["spatial"] and frame.extra["lop"]["probe"], kind
             assert frame.extra["partition"]["cut"] == by_kind[kind].label
             assert (st.measured.median_s(j, part) is not None) == sampled, kind
+        # A layer partition this client ran before, in any backend (here layer_partition),
+        # is warm: lop's first run of it is a sample.
+        middle = next(c for c in st.profile.candidates if c.kind not in (INPUT_CUT, OUTPUT_CUT))
+        part = plan_for(st.profile, middle.id, "raw/none", 20e6, st.cfg)
+        assert part.key not in st.ran
+        y = backends.make_backend("layer_partition", backend.ctx).run_plan(x, part, FrameStats(), 120)
+        assert_same_up_to_summation_order(y, ref, "layer_partition")
+        assert part.key in st.ran
+        spatial = dataclasses.replace(_spatial_plan(loss, st, i, 8), latency_s=10 * part.latency_s)
+        ls.table, ls.current = LopTable((1e6,), [spatial], 0.0), None
+        st.table.plans[j], st.table.alternatives[j] = part, []
+        st.measured = MeasuredChoice(margin=0.25, every=100)
+        for _ in range(2):
+            st.measured.observe(j, spatial, 10.0)
+        frame, = _frames_at(backend, x, ref, 1, 20e6, "warm input cut")
+        assert frame.extra["lop"]["probe"] and st.measured.median_s(j, part) is not None
     finally:
         client.close()
 

@@ -39,7 +39,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -65,6 +65,9 @@ class _ShapeState:
     table: PlanTable
     tracker: DriftTracker
     measured: Optional[MeasuredChoice] = None   # None: probing off (or the energy objective)
+    #: keys of the plans and schedules this client has run at least once at this shape
+    #: (their kernels are set up in this process, whichever backend ran them)
+    ran: set = field(default_factory=set)
 
 
 class PartitionKnowledge:
@@ -311,6 +314,7 @@ class LayerPartitionBackend(Backend):
             "predicted_s": pred.latency_s, "predicted_energy_j": pred.energy_j,
             "predicted_bytes_up": pred.bytes_up, "actual_s": time.perf_counter() - t0,
             "server_compute_s": server_s, "replans": self.replans}
+        st.ran.add(plan.key)
         return y
 
     def _offload(self, x, plan: Plan, st: _ShapeState, stats, timeout_s: float, t0: float):

@@ -219,7 +219,6 @@ class LopBackend(LayerPartitionBackend):
         super().__init__(ctx)
         self._lop: Dict[Tuple[int, ...], _LopState] = {}
         self._regions: Dict[Tuple, Tuple[Region, Cut, Cut]] = {}
-        self._ran: set = set()       # keys of the schedules run at least once
 
     # -- schedules ------------------------------------------------------------------------
     def lop_state(self, x: torch.Tensor) -> _LopState:
@@ -349,9 +348,13 @@ class LopBackend(LayerPartitionBackend):
         # is no latency sample. All local is never cold: it is the model's own forward,
         # which every mode's local fallback has run, and a sample wasted on it costs a
         # whole local inference.
-        cold = chosen.key not in self._ran and not getattr(chosen, "link_free", False)
+        # What this client ran before is warm whichever backend ran it: ``auto`` has a lop
+        # of its own, and with a set per backend every layer partition its lop probed
+        # was a cold, unsampled run first and had to be probed again (ResNet-101 at
+        # 5 Mbit/s: 7 of 30 frames probes at 300-340 ms beside a schedule at 275).
+        cold = chosen.key not in st.ran and not getattr(chosen, "link_free", False)
         warm = not profiled_now and not cold and (chosen is not plan or ls.prepared)
-        self._ran.add(chosen.key)
+        st.ran.add(chosen.key)
         t0 = time.perf_counter()
         if chosen is plan:
             y = self.run_schedule(x, plan, stats, timeout_s, bw, observe_drift=warm)
