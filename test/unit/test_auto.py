@@ -170,6 +170,13 @@ def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
     far = _Option("full_offload_image", 0.130, 1.0)                         # 3.25x: not worth it
     assert AutoBackend._first_probe(SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=3.0),
                                     [lead, far]) is None
+    # the default factor: KAPAO-L at 20 Mbit/s, the image predicted 2.9x lop is not timed;
+    # MobileNetV2's image predicted 1.7x lop (measured faster than predicted) is
+    default = SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=AutoBackend.first_probe_factor)
+    assert AutoBackend._first_probe(default, [_Option("lop", 0.41, 1.0),
+                                              _Option("full_offload_image", 1.19, 1.0)]) is None
+    assert AutoBackend._first_probe(default, [_Option("lop", 0.030, 1.0),
+                                              _Option("full_offload_image", 0.050, 1.0)]) is not None
 
 
 def test_each_kind_of_prediction_is_corrected_by_its_own_errors():
