@@ -419,10 +419,11 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                f"median latency in that window; frame-min is each frame's fastest fixed mode "
                f"(unattainable, for information).\n", oracle, ""]
     energy = oracle_table(frames, metric="energy_j")
-    if energy:
+    if energy and getattr(getattr(runner, "cfg", None), "objective", "latency") == "energy":
         md += ["## auto against the fixed modes: energy per inference\n",
-               "The same references chosen by the robot's joules per inference (the power "
-               "model's, see the Results' j_per_inference) instead of latency.\n", energy, ""]
+               "The client's objective was energy. The same references chosen by the robot's "
+               "joules per inference (the power model's, see the Results' j_per_inference) "
+               "instead of latency.\n", energy, ""]
     md += ["## Planner prediction\n", prediction_table(frames)]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
