@@ -781,8 +781,8 @@ def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profi
         i = max(range(len(loss.regions)), key=lambda i: len(loss.regions[i][0].nodes))
         by_kind = {c.kind: c for c in st.profile.cuts}
         j = st.table.index(20e6)
-        for kind, sampled in ((OUTPUT_CUT, True), (INPUT_CUT, False)):
-            part = plan_for(st.profile, by_kind[kind].id, "raw/none", 20e6, st.cfg)
+
+        def probe(part, what):
             # the spatial schedule measured 10 s twice, predicted slower than ``part``:
             # ``part`` is the close call still to be timed, so the next frame probes it
             spatial = dataclasses.replace(_spatial_plan(loss, st, i, 8), latency_s=10 * part.latency_s)
@@ -791,7 +791,12 @@ def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profi
             st.measured = MeasuredChoice(margin=0.25, every=100)
             for _ in range(2):
                 st.measured.observe(j, spatial, 10.0)
-            frame, = _frames_at(backend, x, ref, 1, 20e6, kind)
+            frame, = _frames_at(backend, x, ref, 1, 20e6, what)
+            return frame
+
+        for kind, sampled in ((OUTPUT_CUT, True), (INPUT_CUT, False)):
+            part = plan_for(st.profile, by_kind[kind].id, "raw/none", 20e6, st.cfg)
+            frame = probe(part, kind)
             assert not frame.extra["lop"]["spatial"] and frame.extra["lop"]["probe"], kind
             assert frame.extra["partition"]["cut"] == by_kind[kind].label
             assert (st.measured.median_s(j, part) is not None) == sampled, kind
@@ -803,13 +808,7 @@ def test_all_local_is_a_latency_sample_from_its_first_frame(shared_server, profi
         y = backends.make_backend("layer_partition", backend.ctx).run_plan(x, part, FrameStats(), 120)
         assert_same_up_to_summation_order(y, ref, "layer_partition")
         assert part.key in st.ran
-        spatial = dataclasses.replace(_spatial_plan(loss, st, i, 8), latency_s=10 * part.latency_s)
-        ls.table, ls.current = LopTable((1e6,), [spatial], 0.0), None
-        st.table.plans[j], st.table.alternatives[j] = part, []
-        st.measured = MeasuredChoice(margin=0.25, every=100)
-        for _ in range(2):
-            st.measured.observe(j, spatial, 10.0)
-        frame, = _frames_at(backend, x, ref, 1, 20e6, "warm input cut")
+        frame = probe(part, "middle cut run by layer_partition")
         assert frame.extra["lop"]["probe"] and st.measured.median_s(j, part) is not None
     finally:
         client.close()
