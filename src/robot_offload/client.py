@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from robot_offload import backends, checks
+from robot_offload import backends, background, checks
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
@@ -231,7 +231,13 @@ class OffloadClient:
     def _run(self, stats: FrameStats, t0: float, run, local_input):
         """The one path of every frame: ``run(backend)`` on the current mode's backend,
         or, when the server is unavailable or fails, the local model on
-        ``local_input()``; then the frame's totals and energy."""
+        ``local_input()``; then the frame's totals and energy. The frame is the
+        process's foreground: background planning pauses while it computes
+        (:mod:`robot_offload.background`)."""
+        with background.GATE.frame():
+            return self._run_frame(stats, t0, run, local_input)
+
+    def _run_frame(self, stats: FrameStats, t0: float, run, local_input):
         mode = self.mode
         stats.mode, stats.model = mode, self.config.model
         stats.predicted_bandwidth_bps = self.predicted_bandwidth_bps

@@ -34,11 +34,13 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
+from robot_offload import background
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.backends.full_offload import FullOffloadBackend
+from robot_offload.backends.local import LocalBackend
 from robot_offload.backends.lop import LopBackend
 from robot_offload.partition.cost import predict_cut
-from robot_offload.partition.graph import INPUT_CUT
+from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
 from robot_offload.partition.choice import MeasuredChoice
 from robot_offload.partition.profile import encoding_key
 
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 #: candidate keys (what ``detail_json``'s ``auto.candidate`` names)
 LOP = "lop"
 IMAGE = "full_offload_image"
+LOCAL = "local"     # only while a shape's schedules are prepared
 #: what a lop frame runs, for the prediction errors (see :class:`PredictionErrors`)
 LOP_PARTITION = "lop:layer_partition"
 LOP_SPATIAL = "lop:spatial"
@@ -116,11 +119,15 @@ class AutoBackend(Backend):
     #: while a shape's plans are prepared, the image is offloaded when its upload takes at
     #: most this share of the deadline (see :meth:`_while_preparing`)
     prepare_upload_share = 0.5
+    #: while frames compute, a shape's preparation runs at most this share of the time
+    #: (see :mod:`robot_offload.background`)
+    prepare_cpu_share = 0.25
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.lop = LopBackend(ctx)
         self.full = FullOffloadBackend(ctx)
+        self.local = LocalBackend(ctx)
         self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
         self.errors = PredictionErrors()
         self._up_ratio = 1.0    # bytes sent / image bytes of the last image offload (compression)
@@ -192,20 +199,35 @@ class AutoBackend(Backend):
         return y
 
     def _while_preparing(self, frame, stats, timeout_s):
-        """A frame of a shape whose profile and schedules are not there yet. They take
-        seconds on an idle robot (minutes on an oversubscribed one), so they are prepared
-        on a background thread while the camera image is offloaded, when its upload at the
-        predicted bandwidth takes at most :attr:`prepare_upload_share` of the deadline.
-        Otherwise (a slow link, or preparing failed) the frame is lop's first, which
-        prepares them itself, as a frame that cannot be offloaded must wait for them."""
+        """A frame of a shape whose schedules are not there yet. Profile and schedules
+        take seconds on an idle robot (minutes on an oversubscribed one), so they are
+        prepared on a background thread meanwhile. Once the profile is there (at once when
+        it was cached), the cost model picks between the local model and the camera
+        image's offload; before, the image is offloaded when its upload at the predicted
+        bandwidth takes at most :attr:`prepare_upload_share` of the deadline. Otherwise (a
+        slow link, or preparing failed) the frame is lop's first, which prepares them
+        itself, as a frame that cannot be offloaded must wait for them."""
         shape = self._shape()
         bw = self.lop.frame_bandwidth(stats)
         upload_s = 8.0 * frame.nbytes / bw
-        if shape not in self._prepare_failed and upload_s <= self.prepare_upload_share * timeout_s:
+        st = self.lop._states.get(shape)        # made before the schedules are solved
+        if shape not in self._prepare_failed and (
+                st is not None or upload_s <= self.prepare_upload_share * timeout_s):
             self._start_preparing(shape, frame)
+            why = "the schedules of this input shape are being prepared in the background"
+            if st is not None:
+                objective = "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
+                local = self._local_option(st, bw)
+                image = self.errors.correct(self._image_option(st, frame, bw))
+                predicted = {o.key: {"latency_ms": round(o.latency_s * 1e3, 2),
+                                     "energy_mj": round(o.energy_j * 1e3, 2)} for o in (local, image)}
+                if getattr(local, objective) < getattr(image, objective):
+                    y = self.local.infer(self.ctx.preprocess(frame, stats), stats, timeout_s)
+                    self._mark(stats, LOCAL, f"{why}: the local model is predicted cheaper than "
+                               "the image's offload", {"bandwidth_bps": bw, "predicted": predicted})
+                    return y
             y = self.full.infer_frame(frame, stats, timeout_s)
-            self._mark(stats, IMAGE, "the plans of this input shape are being prepared in the "
-                       "background (profile, schedules): the camera image is offloaded meanwhile",
+            self._mark(stats, IMAGE, f"{why}: the camera image is offloaded meanwhile",
                        {"bandwidth_bps": bw})
             return y
         preparing = self._preparing.get(shape)
@@ -230,9 +252,7 @@ class AutoBackend(Backend):
                 self._prepare_failed.add(shape)
                 return
             log.info("auto: plans of %s prepared in the background in %.1f s", shape, time.perf_counter() - t0)
-        thread = threading.Thread(target=prepare, name="auto-prepare", daemon=True)
-        self._preparing[shape] = thread
-        thread.start()
+        self._preparing[shape] = background.start(prepare, "auto-prepare", self.prepare_cpu_share)
 
     def _first_probe(self, ranked):
         """A candidate measured on fewer than ``min_samples`` frames in any bucket and
@@ -276,6 +296,13 @@ class AutoBackend(Backend):
     def _best(options, objective: str) -> _Option:
         """The lop option the frame is judged by: the lower by ``objective``."""
         return min(options, key=lambda o: getattr(o, objective))
+
+    @staticmethod
+    def _local_option(st, bw: float) -> _Option:
+        """The whole model on the robot, as the profile and the robot's drift predict it."""
+        output = next(c for c in st.profile.candidates if c.kind == OUTPUT_CUT)
+        p = predict_cut(st.profile, output, encoding_key("raw", "none"), bw, st.cfg)
+        return _Option(LOCAL, p.latency_s, p.energy_j, kind=LOCAL, raw_latency_s=p.latency_s)
 
     def _image_option(self, st, frame, bw: float) -> _Option:
         """Full offload of the camera image, with the one cost model: the image's bytes

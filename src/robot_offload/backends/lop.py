@@ -45,7 +45,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from robot_offload import codec, structure
+from robot_offload import background, codec, structure
 from robot_offload.backends.base import register_backend
 from robot_offload.backends.layer_partition import (LayerPartitionBackend, _encode, _json,
                                                     frame_codec)
@@ -239,8 +239,8 @@ class LopBackend(LayerPartitionBackend):
             cfg = ls.calibration.apply(st.cfg)
             if ls.cfg != cfg and not ls.solving and time.monotonic() >= ls.next_solve_at:
                 ls.solving = True
-                threading.Thread(target=self._solve, args=(ls, st, cfg, False),
-                                 name="lop-replan", daemon=True).start()
+                background.start(lambda: self._solve(ls, st, cfg, False), "lop-replan",
+                                 self.replan_cpu_share)
         return ls
 
     def _solve(self, ls: _LopState, st, cfg: PlannerConfig, cached: bool = True) -> None:

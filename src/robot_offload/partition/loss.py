@@ -94,6 +94,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
+from robot_offload import background
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
 from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, join_encoding, output_bytes,
@@ -250,6 +251,7 @@ class Loss:
             for p2, c2 in cuts[i + 1:]:
                 if len(spatial_regions) >= max_regions:
                     break
+                background.checkpoint()
                 try:
                     spatial_regions.append((spatial.region(c1, c2), p1, p2))
                 except CutError:
@@ -281,6 +283,7 @@ class Loss:
         key = (region_index, step)
         c = self._costs.get(key)
         if c is None:
+            background.checkpoint()     # thousands of these make a first solve
             rc = self.regions[region_index]
             c = self._costs[key] = stripe_cost(self.spatial, rc.region, step / self.share_steps,
                                                self.profile.node_s, rc.robot_joins)
@@ -319,6 +322,7 @@ class Loss:
         per, n_r = self.share_steps, len(self.regions)
         pair_region, pair_enc, fig = [], [], []
         for ri in range(n_r):
+            background.checkpoint()
             cand = cands[ri * per]
             ok = dict(encodings_for(self.profile, cand, cfg))
             first, last, rc = cand.first, cand.last, self.regions[ri]
@@ -515,8 +519,10 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     import numpy as np
 
     buckets = np.asarray(cfg.buckets, dtype=float)
-    lp = [_partition_plan(best_plan(loss.profile, b, cfg, options(loss.profile, cfg)))
-          for b in cfg.buckets]
+    lp = []
+    for b in cfg.buckets:
+        background.checkpoint()
+        lp.append(_partition_plan(best_plan(loss.profile, b, cfg, options(loss.profile, cfg))))
     encs = list(cfg.encodings) if cfg.encodings is not None else loss.profile.encodings
     arr = loss.solver_arrays(cfg, encs)
     if arr is None:

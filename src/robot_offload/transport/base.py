@@ -32,7 +32,7 @@ import threading
 
 from typing import Optional
 
-from robot_offload import auth
+from robot_offload import auth, background
 from robot_offload.errors import ConfigError, OffloadTimeout
 from robot_offload.protocol import MAX_DEADLINE_S, METHODS
 
@@ -71,7 +71,8 @@ class Transport(abc.ABC):
             request = dataclasses.replace(request, deadline_s=min(float(timeout_s), MAX_DEADLINE_S))
         if self._auth_secret is not None:
             request = auth.sign_request(self._auth_secret, method, request)
-        return self._call(method, request, timeout_s)
+        with background.GATE.waiting():     # a frame's thread computes nothing meanwhile
+            return self._call(method, request, timeout_s)
 
     def submit(self, method: str, request, timeout_s: float) -> concurrent.futures.Future:
         """Start a call in the background; the future raises what :meth:`call` would."""
