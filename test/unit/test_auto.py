@@ -303,3 +303,47 @@ def test_while_the_schedules_are_solved_the_profile_picks_local_or_the_image(sha
         auto._preparing[auto._shape()].join(60)
         client.close()
     assert auto._prepare_failed == set()
+
+
+def test_a_frame_waiting_for_the_preparation_leaves_the_foreground(shared_server, tmp_path):
+    """Over a link too slow for the image, a frame of a shape being prepared waits for the
+    preparation; meanwhile it computes nothing, so the preparation must not yield to it
+    (:mod:`robot_offload.background`), or it would run at its background share while the
+    frame waits for it."""
+    import threading
+    from robot_offload import background
+    client = _client(shared_server, "resnet18", str(tmp_path))
+    auto = client._get_backend("auto")
+    release = threading.Event()
+    build = auto.lop._build_state
+
+    def held_build(*args, **kw):
+        assert release.wait(60)
+        return build(*args, **kw)
+    auto.lop._build_state = held_build
+    try:
+        client.predicted_bandwidth_bps = 100e6
+        frame = _frame(client.spec, client.input_size, seed=6)
+        _, first = client.process(frame)                 # starts the preparation, offloads
+        assert first.extra["auto"]["candidate"] == IMAGE
+        client.predicted_bandwidth_bps = 1e3             # now the image cannot go
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(client.process(frame)))
+        waiter.start()
+        left_foreground = False
+        for _ in range(300):
+            if waiter.is_alive() and background.GATE.computing == 0:
+                left_foreground = True
+                break
+            threading.Event().wait(0.02)
+        release.set()
+        waiter.join(120)
+        assert left_foreground, "the frame held the foreground while it waited for the preparation"
+        (y, stats), = done
+        assert stats.executed_mode == "auto" and stats.extra["auto"]["candidate"] == LOP, stats.extra
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        assert_same_up_to_summation_order(y, ref, stats.plan)
+    finally:
+        release.set()
+        client.close()

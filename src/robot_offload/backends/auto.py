@@ -232,7 +232,8 @@ class AutoBackend(Backend):
             return y
         preparing = self._preparing.get(shape)
         if preparing is not None and preparing.is_alive():
-            preparing.join()           # not twice at once: wait for the one under way
+            with background.GATE.waiting():     # it must not yield to this frame
+                preparing.join()           # not twice at once: wait for the one under way
             if shape in self.lop._lop:
                 return self.infer_frame(frame, stats, timeout_s)
         return self._run_lop(frame, stats, timeout_s, "first frame (prepares the profile and schedules)")
