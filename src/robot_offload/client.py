@@ -17,6 +17,7 @@ from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
 from robot_offload.link import ServerLink
+from robot_offload.local_hedge import LocalHedge
 from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
 from robot_offload.pool import POLICIES, ServerDirectory, ServerPool
@@ -152,7 +153,11 @@ class OffloadClient:
                                    hedge_budget=config.hedge_budget, **link_kw)
         elif transport is not None:
             self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash, **link_kw)
-        self._ctx = backends.BackendContext(self.spec, self.model, self.link, config)
+        # one server: a late full offload is hedged by the robot itself (several: by the pool)
+        hedge = (LocalHedge(config.hedge_percentile, config.hedge_budget)
+                 if config.hedge and isinstance(self.link, ServerLink) and not isinstance(self.link, ServerPool)
+                 else None)
+        self._ctx = backends.BackendContext(self.spec, self.model, self.link, config, local_hedge=hedge)
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0
@@ -189,17 +194,25 @@ class OffloadClient:
     def warm_up(self) -> float:
         """Run the local model once on a blank frame, so that the first fallback of a
         client that starts offloading does not also pay the local model's first-run costs
-        (allocations, kernel selection: 0.5 s more for that frame on the testbed). Returns
-        the seconds it took."""
+        (allocations, kernel selection: 0.5 s more for that frame on the testbed), and,
+        where the robot hedges late calls (:mod:`robot_offload.local_hedge`), once more
+        to time a forward. Returns the seconds the first took."""
         import numpy as np
         t0 = time.perf_counter()
         if self.spec.input_kind == "image":
             frame = np.zeros((*self.input_size[:2], 3), dtype=np.uint8)
         else:
             frame = np.zeros((1, 4), dtype=np.float32)
+        x = self.preprocess(frame)
         with torch.inference_mode():
-            self.model(self.preprocess(frame))
-        return time.perf_counter() - t0
+            self.model(x)
+        first_s = time.perf_counter() - t0
+        if self._ctx.local_hedge is not None:     # what a later forward takes
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                self.model(x)
+            self._ctx.local_hedge.observe_local(time.perf_counter() - t1)
+        return first_s
 
     def preprocess(self, frame) -> torch.Tensor:
         return self.spec.preprocess(frame, self.input_size)
@@ -248,7 +261,7 @@ class OffloadClient:
         else:
             try:
                 outputs = run(backend)
-                stats.executed_mode = mode
+                stats.executed_mode = stats.executed_mode or mode     # "local": a hedge the robot won
             except Incompatible as e:
                 # the server is fine; this mode cannot use it (robot_offload.compat)
                 stats.fallback_reason = f"{type(e).__name__}: {e}"

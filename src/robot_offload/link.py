@@ -117,7 +117,13 @@ class ServerLink:
         it. Raises TransportError / RemoteError; the caller falls back and calls
         :meth:`mark_down`. ``placement`` (see :data:`PLACEMENTS`) only matters to a pool."""
         deadline = self.clock() + timeout_s
-        response = self.transport.call("compute", request, timeout_s)
+        return self.checked(self.transport.call("compute", request, timeout_s), request, deadline)
+
+    def checked(self, response: ComputeResponse, request: ComputeRequest,
+                deadline: float) -> ComputeResponse:
+        """The server's ``response`` to ``request``, its status checked (raises
+        RemoteError); when the server had lost the model, it is loaded again and the
+        request sent again, before ``deadline`` (:attr:`clock`)."""
         try:
             raise_for_status(response.status, response.status_text)
         except ModelNotLoaded:

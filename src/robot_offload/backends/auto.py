@@ -175,8 +175,9 @@ class AutoBackend(Backend):
             stats.predicted_latency_s = chosen.raw_latency_s
             # the server's whole forward, measured: the input cut's tail time in the profile
             # (DynO's run-time profiler), so lop's full offload is predicted from it too
-            st.profile.record_server_tail(self._input_cut(st).id, stats.server_compute_s,
-                                          device=self.ctx.link.device)
+            if stats.executed_mode != "local":       # not a frame the robot's hedge answered
+                st.profile.record_server_tail(self._input_cut(st).id, stats.server_compute_s,
+                                              device=self.ctx.link.device)
             if frame.nbytes:
                 self._up_ratio = max(1e-3, stats.bytes_up / frame.nbytes)
         else:

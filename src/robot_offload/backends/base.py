@@ -10,6 +10,7 @@ import torch
 
 from robot_offload.errors import ConfigError
 from robot_offload.link import ServerLink
+from robot_offload.local_hedge import LocalHedge
 from robot_offload.models import ModelSpec
 from robot_offload.stats import FrameStats
 
@@ -30,6 +31,8 @@ class BackendContext:
     link: Optional[ServerLink]
     config: "object"
     shared: Dict[str, object] = field(default_factory=dict)
+    #: with one server: when a late full offload is hedged by the robot (None: never)
+    local_hedge: Optional[LocalHedge] = None
     # the last frame preprocessed: (frame, its FrameStats, the model input)
     _last: Optional[tuple] = field(default=None, repr=False, compare=False)
     _last_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

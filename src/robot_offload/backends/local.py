@@ -15,5 +15,8 @@ class LocalBackend(Backend):
         t0 = time.perf_counter()
         with torch.inference_mode():
             y = self.ctx.model(x)
-        stats.add_compute(t0, time.perf_counter())
+        t1 = time.perf_counter()
+        stats.add_compute(t0, t1)
+        if self.ctx.local_hedge is not None:
+            self.ctx.local_hedge.observe_local(t1 - t0)
         return y

@@ -1,0 +1,152 @@
+"""With one server, a late ``full_offload`` call is hedged by the robot: it computes the
+frame itself and the first answer wins (the server's copy cancelled, or the robot's
+forward stopped), within the hedge budget (half the calls here) and only where the robot
+can win."""
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.local_hedge import LocalHedge, forward_unless
+from robot_offload.pool import MIN_SAMPLES
+from robot_offload.transport.inproc import InProcessTransport
+
+from devices import assert_same_as_local
+
+
+class _SlowLink(InProcessTransport):
+    """Every compute call takes ``link_s`` more; ``late_s`` more for the next ``late`` calls."""
+
+    def __init__(self, server, link_s):
+        super().__init__(server)
+        self.link_s, self.late_s, self.late = link_s, 0.0, 0
+        self.cancelled, self.request_ids = [], []
+        self._lock = threading.Lock()
+
+    def _call(self, method, request, timeout_s):
+        if method == "compute" and request.entry == "cancel":
+            self.cancelled.append(request.args_json)
+        elif method == "compute":
+            with self._lock:
+                extra = self.late_s if self.late > 0 else 0.0
+                self.late -= 1
+            self.request_ids.append(request.request_id)
+            time.sleep(self.link_s + extra)
+        return super()._call(method, request, timeout_s)
+
+
+def _client(server, link_s, **kw):
+    transport = _SlowLink(server, link_s)
+    cfg = dict(model="resnet18", mode="full_offload", input_size=(64, 64), load_timeout_s=120,
+               timeout_s=10, hedge_budget=0.5)
+    cfg.update(kw)
+    client = OffloadClient(ClientConfig(**cfg), transport)
+    assert client.connect(), client.link.last_error
+    client.warm_up()
+    return client, transport
+
+
+def _frame(seed):
+    return np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+
+def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared_server):
+    client, link = _client(shared_server, link_s=0.3)     # round trips well above a local forward
+    try:
+        for k in range(MIN_SAMPLES + 4):      # the round trips (one a little late may be hedged)
+            _, stats = client.process(_frame(k))
+            assert stats.executed_mode in ("full_offload", "local") and not stats.fallback_reason
+        frame = _frame(99)
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        cancelled = len(link.cancelled)
+        link.late_s, link.late = 3.0, 1
+        y, stats = client.process(frame)
+        assert stats.executed_mode == "local", stats.extra
+        assert stats.extra["hedge"]["won"] == "local" and not stats.fallback_reason
+        assert stats.processing_s < 2.0
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        assert len(link.cancelled) == cancelled + 1 and link.request_ids[-1] in link.cancelled[-1]
+        figures = client._ctx.local_hedge.figures
+        assert figures["hedges"] >= 1 and figures["local_won"] >= 1
+    finally:
+        client.close()
+
+
+def test_a_server_answering_first_stops_the_robots_forward(shared_server):
+    client, link = _client(shared_server, link_s=0.3)
+    try:
+        for k in range(MIN_SAMPLES + 4):
+            client.process(_frame(k))
+        cancelled = len(link.cancelled)
+        frame = _frame(7)
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        modules_run = []
+
+        def slow(_module, _args):                   # the robot is slow this time: ~60 x 50 ms
+            modules_run.append(1)
+            time.sleep(0.05)
+        handle = client.model.register_forward_pre_hook(slow)
+        for m in client.model.modules():
+            m.register_forward_pre_hook(slow)
+        link.late_s, link.late = 0.4, 1             # late past the percentile, then answers
+        try:
+            y, stats = client.process(frame)
+        finally:
+            handle.remove()
+            for m in client.model.modules():
+                m._forward_pre_hooks.clear()
+        assert stats.executed_mode == "full_offload", stats.fallback_reason
+        assert stats.extra.get("hedge", {}).get("won") == "server", (stats.processing_s, stats.extra, client._ctx.local_hedge._round_trips, client._ctx.local_hedge._local_s)
+        assert stats.processing_s < 1.5
+        assert 0 < len(modules_run) < len(list(client.model.modules()))
+        assert_same_as_local(y, ref, "the server's answer")
+        assert len(link.cancelled) == cancelled
+    finally:
+        client.close()
+
+
+def test_the_robot_hedges_only_where_it_can_win():
+    hedge = LocalHedge(percentile=95.0, budget=0.5)
+    for _ in range(MIN_SAMPLES - 1):
+        hedge.observe_round_trip(0.1)
+    hedge.observe_local(0.05)
+    hedge.count(False)
+    hedge.count(False)                               # two calls so far, neither hedged
+    assert hedge.delay_s(1.0) is None               # too few round trips measured
+    hedge.observe_round_trip(0.1)
+    assert hedge.delay_s(1.0) == 0.1
+    assert hedge.delay_s(0.12) is None              # no time left for the robot
+    slow = LocalHedge(percentile=95.0, budget=0.5)
+    for _ in range(MIN_SAMPLES):
+        slow.observe_round_trip(0.1)
+    slow.observe_local(0.3)                          # the robot is slower than a late answer
+    assert slow.delay_s(10.0) is None
+    hedge.count(True, "local")
+    assert hedge.delay_s(1.0) is None                # one more: 2 hedges in 3 calls
+    hedge.count(False)                               # one more: 2 of 4, half
+    assert hedge.delay_s(1.0) == 0.1
+
+
+def test_forward_unless_stops_at_the_next_module():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    x = torch.rand(1, 4)
+    calls = []
+    assert forward_unless(model, x, lambda: calls.append(1) or len(calls) > 3) is None
+    assert len(calls) == 4
+    with torch.inference_mode():
+        torch.testing.assert_close(forward_unless(model, x, lambda: False), model(x), rtol=0, atol=0)
+
+
+def test_no_hedge_when_hedging_is_off(shared_server):
+    client, _ = _client(shared_server, link_s=0.0, hedge=False)
+    try:
+        assert client._ctx.local_hedge is None
+        _, stats = client.process(_frame(1))
+        assert stats.executed_mode == "full_offload"
+    finally:
+        client.close()
