@@ -39,6 +39,7 @@ class _Worker:
         self.thread.join(10)
 
 
+@pytest.mark.robot_side
 def test_background_work_pauses_while_a_frame_computes_and_keeps_its_share():
     gate = ForegroundGate()
     worker = _Worker(gate, share=0.1)
@@ -57,6 +58,7 @@ def test_background_work_pauses_while_a_frame_computes_and_keeps_its_share():
     assert during > 0.01 * min(idle, after), ("starved", during, idle, after)
 
 
+@pytest.mark.robot_side
 def test_a_frame_waiting_for_the_network_lets_background_work_run():
     gate = ForegroundGate()
     worker = _Worker(gate, share=0.1)
@@ -72,6 +74,7 @@ def test_a_frame_waiting_for_the_network_lets_background_work_run():
     assert waiting > 0.5 * idle, (waiting, idle)
 
 
+@pytest.mark.robot_side
 def test_checkpoints_and_waits_outside_their_threads_change_nothing():
     gate = ForegroundGate()
     with gate.waiting():            # not in a frame: a transport worker, say
@@ -124,6 +127,7 @@ def test_the_client_computes_its_frames_in_the_foreground(shared_server):
         client.close()
 
 
+@pytest.mark.robot_side
 def test_a_busy_background_thread_does_not_stall_a_forward():
     """The convoy itself, with real torch operators: a forward of many small operators
     beside a busy background thread that checkpoints, against one that does not."""

@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from robot_offload.client import ClientConfig, OffloadClient
@@ -110,6 +111,7 @@ def test_a_server_answering_first_stops_the_robots_forward(shared_server):
         client.close()
 
 
+@pytest.mark.robot_side
 def test_the_robot_hedges_only_where_it_can_win():
     hedge = LocalHedge(percentile=95.0, budget=0.5)
     for _ in range(MIN_SAMPLES - 1):
@@ -132,6 +134,7 @@ def test_the_robot_hedges_only_where_it_can_win():
     assert hedge.delay_s(1.0) == 0.1
 
 
+@pytest.mark.robot_side
 def test_forward_unless_stops_at_the_next_module():
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
     x = torch.rand(1, 4)
