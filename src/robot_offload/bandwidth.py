@@ -62,6 +62,17 @@ class TransferSample:
     duration_s: float
 
 
+def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
+    """The transfer a frame's stats (an ``InferenceStats`` or a ``FrameStats``) measured,
+    ending at ``end_s``, or None when they measured none: a frame of several requests
+    (``lop``'s spatial schedules, op by op) overlaps its transfers with computing, so bytes
+    over transfer time is no rate of the link; and a hedge the robot answered
+    (``executed_mode`` ``local`` with a round trip) left its call unfinished."""
+    if stats.round_trips != 1 or not stats.transfer_s > 0 or stats.executed_mode == "local":
+        return None
+    return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s)
+
+
 @dataclass(frozen=True)
 class BandwidthEstimate:
     """What a bandwidth monitor publishes (DESIGN.md section 5)."""

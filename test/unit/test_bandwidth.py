@@ -181,3 +181,17 @@ def test_make_predictor_from_names():
         bw.make_predictor("ewma(2)")
     with pytest.raises(ValueError, match="bad predictor"):
         bw.make_predictor("harmonic(x)")
+
+
+def test_a_frame_gives_a_transfer_only_when_its_one_call_finished():
+    from robot_offload.stats import FrameStats
+    s = FrameStats()
+    s.add_call(0.0, 0.2, 0.05, 100_000, 4_000)
+    s.executed_mode = "full_offload"
+    sample = bw.frame_transfer(s, 10.0)
+    assert sample == bw.TransferSample(t_s=10.0, bytes=104_000, duration_s=s.transfer_s)
+    s.executed_mode = "local"            # a hedge the robot answered: the call never finished
+    assert bw.frame_transfer(s, 10.0) is None
+    s.executed_mode = "lop"
+    s.add_call(0.2, 0.3, 0.01, 1_000, 1_000)    # two requests overlapping the robot's work
+    assert bw.frame_transfer(s, 10.0) is None

@@ -17,7 +17,8 @@ import time
 
 import rospy
 
-from robot_offload.bandwidth import BandwidthMonitorConfig, PassiveEstimator, TransferSample, make_predictor
+from robot_offload.bandwidth import (BandwidthMonitorConfig, PassiveEstimator, TransferSample, frame_transfer,
+                                     make_predictor)
 from robot_offload.errors import ConfigError, OffloadError
 from robot_offload.health import bandwidth_report
 from robot_offload.msg import BandwidthEstimate, InferenceStats
@@ -66,13 +67,10 @@ class BandwidthMonitorNode:
                       + (f"every {self.probe_period_s} s of {self.probe_bytes} B" if self.transport else "off"))
 
     def _on_stats(self, msg):
-        # One request only: a frame of several (lop's spatial schedules, op by op) overlaps
-        # its transfers with computing, so bytes / transfer_s is no rate of the link.
-        if msg.round_trips != 1 or msg.transfer_s <= 0:
+        sample = frame_transfer(msg, msg.header.stamp.to_sec() + msg.latency_s)
+        if sample is None:
             return
         base_rtt = self.estimator.min_rtt_s
-        sample = TransferSample(t_s=msg.header.stamp.to_sec() + msg.latency_s,
-                                bytes=msg.bytes_up + msg.bytes_down, duration_s=msg.transfer_s)
         with self._lock:
             if self.estimator.add(sample, None if base_rtt is None else base_rtt * msg.round_trips) is not None:
                 self.source = BandwidthEstimate.SOURCE_PASSIVE
