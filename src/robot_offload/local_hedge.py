@@ -11,8 +11,10 @@ the hedging thread), and when the robot finishes first the server's copy is canc
 holds ``hedge``: who won and after how long the robot started.
 
 The robot hedges only where it can win: its own recent forward (:meth:`observe_local`:
-the local frames and fallbacks of the client, and its warm-up) must take no longer than
-the percentile it waits for, and fit what is left of the deadline; and in at most
+the local frames and fallbacks of the client, and its warm-up) must take at most
+:data:`LOCAL_SHARE` of the round trip it waits for (a robot about as quick as the server
+would finish about when a late answer comes anyway), and fit what is left of the
+deadline; and in at most
 ``hedge_budget`` of the calls (over the last :data:`BUDGET_WINDOW`), so that a server
 slow for good costs the robot a bounded share of its CPU before the frames fall back.
 """
@@ -28,6 +30,8 @@ from robot_offload.pool import BUDGET_WINDOW, LATENCY_WINDOW, MIN_SAMPLES
 
 #: local forwards kept (s): the median is the robot's expected time
 LOCAL_WINDOW = 9
+#: the robot hedges when its forward takes at most this share of the round trip it waits for
+LOCAL_SHARE = 0.5
 
 
 class LocalHedge:
@@ -54,15 +58,15 @@ class LocalHedge:
     def delay_s(self, remaining_s: float) -> Optional[float]:
         """How long to wait before the robot starts on a call with ``remaining_s`` left
         of its deadline, or None: not hedged (too few round trips measured, no local
-        forward measured, the robot slower than a late answer, no time for it, or the
-        budget spent)."""
+        forward measured, the robot's forward over :data:`LOCAL_SHARE` of a late round trip,
+        no time for it, or the budget spent)."""
         with self._lock:
             if len(self._round_trips) < MIN_SAMPLES or not self._local_s:
                 return None
             trips = sorted(self._round_trips)
             late_s = trips[min(len(trips) - 1, int(round(self.percentile / 100.0 * (len(trips) - 1))))]
             local_s = statistics.median(self._local_s)
-            if local_s > late_s or late_s + local_s > remaining_s:
+            if local_s > LOCAL_SHARE * late_s or late_s + local_s > remaining_s:
                 return None
             if sum(self._hedged) + 1 > self.budget * max(len(self._hedged), 1):
                 return None
