@@ -106,7 +106,7 @@ def test_bench_quick_writes_report(tmp_path):
     and the modes took turns frame by frame."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "robot_offload.bench", "--quick", "--frames", "3", "--warmup", "2",
-           "--models", "resnet18", "--interleave", "--objective", "energy", "--out", str(out)]
+           "--models", "resnet18", "--interleave", "--objective", "energy", "--no-hedge", "--out", str(out)]
     if os.geteuid() != 0:
         cmd.append("--loopback")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -120,9 +120,9 @@ def test_bench_quick_writes_report(tmp_path):
     assert all(r["lost"] == "False" for r in rows)
     assert {r["executed_mode"] for r in rows if r["mode_asked"] == "full_offload"} == {"full_offload"}
     assert "modes interleaved" in report
-    # the client's objective parameter, loaded over config/client.yaml
-    assert "client objective: energy" in report
-    assert (out / "logs" / "client-objective.yaml").read_text() == "objective: energy\n"
+    # the client's objective and hedge parameters, loaded over config/client.yaml
+    assert "client objective: energy" in report and "hedging off" in report
+    assert (out / "logs" / "client-params.yaml").read_text() == "objective: energy\nhedge: false\n"
     # the robot's quota, its period and the bandwidth slice are stated (long periods and
     # slices let bursts run at full speed); where no cgroup is writable the report says
     # the CPU was not limited

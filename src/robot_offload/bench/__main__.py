@@ -46,6 +46,8 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=5.0, help="client deadline per frame")
     ap.add_argument("--objective", choices=("latency", "energy"), default="latency",
                     help="what the client's plans and auto minimise (its objective parameter)")
+    ap.add_argument("--no-hedge", action="store_true",
+                    help="the client hedges no late call (its hedge parameter false)")
     ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W",
                     help="override a model's input size, e.g. kapao_l=640,640")
     ap.add_argument("--loopback", action="store_true", help="skip namespaces: unshaped loopback")
@@ -123,7 +125,7 @@ def main(argv=None):
                       paired_trace=not args.no_paired_trace, pin_cpus=args.pin_cpus,
                       frames_source=args.frames_source, camera_size=camera_size, min_span_s=args.min_span_s,
                       max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
-                      objective=args.objective,
+                      objective=args.objective, hedge=not args.no_hedge,
                       **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()

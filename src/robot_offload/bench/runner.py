@@ -70,6 +70,7 @@ class BenchConfig:
                                      # which makes sending the input look nearly free
     camera_size: Tuple[int, int] = (640, 480)   # image frames' width and height (px)
     objective: str = "latency"       # the client's objective parameter (latency | energy)
+    hedge: bool = True               # the client's hedge parameter (a late call hedged)
 
     @property
     def pairs_traces(self) -> bool:
@@ -154,11 +155,19 @@ class BenchRunner:
     def _log(self, name):
         return open(os.path.join(self.log_dir, name), "w")
 
-    def _client_config(self) -> str:
-        """A client parameter file (loaded over config/client.yaml) setting the objective."""
-        path = os.path.abspath(os.path.join(self.log_dir, "client-objective.yaml"))
+    def _client_config(self) -> Optional[str]:
+        """A client parameter file (loaded over config/client.yaml) setting what the run
+        sets apart from the defaults (the objective, hedging), or None."""
+        params = {}
+        if self.cfg.objective != "latency":
+            params["objective"] = self.cfg.objective
+        if not self.cfg.hedge:
+            params["hedge"] = "false"
+        if not params:
+            return None
+        path = os.path.abspath(os.path.join(self.log_dir, "client-params.yaml"))
         with open(path, "w") as f:
-            f.write(f"objective: {self.cfg.objective}\n")
+            f.writelines(f"{k}: {v}\n" for k, v in params.items())
         return path
 
     def run(self) -> List[dict]:
@@ -188,6 +197,8 @@ class BenchRunner:
             if cfg.objective != "latency":
                 self.notes.append(f"client objective: {cfg.objective} (what the plans of "
                                   "layer_partition and lop, and auto's choice, minimise)")
+            if not cfg.hedge:
+                self.notes.append("hedging off (hedge: false): no late call is hedged")
             if cfg.settle_s > 0:
                 self.notes.append(f"{1e3 * cfg.settle_s:g} ms of idle before every frame "
                                   "(the robot's CPU quota refilled)")
@@ -258,8 +269,9 @@ class BenchRunner:
                       "mode:=local", f"input_size:=[{','.join(map(str, size))}]",
                       "image_topic:=/bench/image", "points_topic:=/bench/points",
                       f"timeout_s:={cfg.timeout_s}"]
-        if cfg.objective != "latency":
-            robot_argv.append(f"client_config:={self._client_config()}")
+        client_config = self._client_config()
+        if client_config is not None:
+            robot_argv.append(f"client_config:={client_config}")
         # Robot nodes inherit the CPU quota from roslaunch (None: no limit).
         robot = self._run(tb, "robot", robot_argv, env=robot_env, cpu_limit=lim,
                           stdout=self._log(f"robot-{model}.log"), stderr=subprocess.STDOUT)
