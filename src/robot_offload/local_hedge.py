@@ -2,8 +2,9 @@
 
 With several servers a late call goes to a second one too (:mod:`robot_offload.pool`).
 With one, the robot is the only other place the frame can run: when a ``full_offload``
-call has not answered by the ``hedge_percentile`` of this client's recent round trips,
-the robot starts the local model on the frame, and the first answer wins. When the
+call, or a ``layer_partition`` tail, has not answered by the ``hedge_percentile`` of this
+client's recent round trips of its kind, the robot starts the local model on the frame
+(the rest of the model on its own head tensors), and the first answer wins. When the
 server answers first the local forward stops at its next module (a forward pre-hook on
 the hedging thread), and when the robot finishes first the server's copy is cancelled
 (taken back while it still waits for a compute slot). The frame's ``stats`` say so:
@@ -20,13 +21,21 @@ slow for good costs the robot a bounded share of its CPU before the frames fall 
 """
 
 import collections
+import concurrent.futures
+import dataclasses
+import json
+import secrets
 import statistics
 import threading
-from typing import Callable, Optional
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from robot_offload.pool import BUDGET_WINDOW, LATENCY_WINDOW, MIN_SAMPLES
+from robot_offload import background
+from robot_offload.errors import OffloadTimeout
+from robot_offload.pool import BUDGET_WINDOW, CANCEL_TIMEOUT_S, LATENCY_WINDOW, MIN_SAMPLES
+from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 
 #: local forwards kept (s): the median is the robot's expected time
 LOCAL_WINDOW = 9
@@ -40,7 +49,7 @@ class LocalHedge:
     def __init__(self, percentile: float = 95.0, budget: float = 0.1):
         self.percentile, self.budget = percentile, budget
         self._lock = threading.Lock()
-        self._round_trips = collections.deque(maxlen=LATENCY_WINDOW)
+        self._round_trips: Dict[str, collections.deque] = {}     # per kind of call
         self._local_s = collections.deque(maxlen=LOCAL_WINDOW)
         self._hedged = collections.deque(maxlen=BUDGET_WINDOW)     # True: that call hedged
         self.figures = {"calls": 0, "hedges": 0, "local_won": 0, "server_won": 0}
@@ -50,22 +59,24 @@ class LocalHedge:
         with self._lock:
             self._local_s.append(float(seconds))
 
-    def observe_round_trip(self, seconds: float) -> None:
-        """A call the server answered, ``seconds`` after it was sent."""
+    def observe_round_trip(self, key: str, seconds: float) -> None:
+        """A call of kind ``key`` the server answered, ``seconds`` after it was sent."""
         with self._lock:
-            self._round_trips.append(float(seconds))
+            self._round_trips.setdefault(key, collections.deque(maxlen=LATENCY_WINDOW)).append(float(seconds))
 
-    def delay_s(self, remaining_s: float) -> Optional[float]:
-        """How long to wait before the robot starts on a call with ``remaining_s`` left
-        of its deadline, or None: not hedged (too few round trips measured, no local
-        forward measured, the robot's forward over :data:`LOCAL_SHARE` of a late round trip,
-        no time for it, or the budget spent)."""
+    def delay_s(self, key: str, remaining_s: float, local_s: Optional[float] = None) -> Optional[float]:
+        """How long to wait before the robot starts on a call of kind ``key`` with
+        ``remaining_s`` left of its deadline, when the robot's own work takes ``local_s``
+        (None: the whole model, as measured); or None: not hedged (too few round trips
+        of that kind measured, no local forward measured, the robot's work over
+        :data:`LOCAL_SHARE` of a late round trip, no time for it, or the budget spent)."""
         with self._lock:
-            if len(self._round_trips) < MIN_SAMPLES or not self._local_s:
+            trips = sorted(self._round_trips.get(key, ()))
+            if local_s is None:
+                local_s = statistics.median(self._local_s) if self._local_s else None
+            if len(trips) < MIN_SAMPLES or local_s is None:
                 return None
-            trips = sorted(self._round_trips)
             late_s = trips[min(len(trips) - 1, int(round(self.percentile / 100.0 * (len(trips) - 1))))]
-            local_s = statistics.median(self._local_s)
             if local_s > LOCAL_SHARE * late_s or late_s + local_s > remaining_s:
                 return None
             if sum(self._hedged) + 1 > self.budget * max(len(self._hedged), 1):
@@ -82,13 +93,76 @@ class LocalHedge:
                 self.figures[f"{winner}_won"] += 1
 
 
+    def call(self, link, key: str, request: ComputeRequest, timeout_s: float, stats,
+             compute_locally: Callable[[Callable[[], bool]], object],
+             local_s: Optional[float] = None) -> Tuple[Optional[ComputeResponse], object]:
+        """``request`` on ``link`` within ``timeout_s``, hedged when :meth:`delay_s` says
+        so: ``(response, None)`` with the server's checked response, or ``(None, outputs)``
+        when the robot's ``compute_locally(answered)`` finished first (it returns None
+        when ``answered()`` turned true first, and accounts its robot time in ``stats``;
+        the server's copy is cancelled). ``local_s``: as for :meth:`delay_s`; when None, the time
+        ``compute_locally`` took is a sample of the whole model's."""
+        delay = self.delay_s(key, timeout_s, local_s)
+        sent = time.perf_counter()
+        if delay is None:
+            response = link.compute(request, timeout_s)
+            self.observe_round_trip(key, time.perf_counter() - sent)
+            self.count(False)
+            return response, None
+        request = dataclasses.replace(request, request_id=secrets.token_hex(8))
+        deadline = link.clock() + timeout_s
+        future = link.submit(request, timeout_s)
+        with background.GATE.waiting():
+            concurrent.futures.wait([future], timeout=delay)
+        if future.done():
+            self.count(False)
+        else:
+            started = time.perf_counter()
+            outputs = compute_locally(lambda: _answered_ok(future))
+            done = time.perf_counter()
+            detail = {"robot_started_after_ms": round((started - sent) * 1e3, 1)}
+            if outputs is not None:
+                self.count(True, "local")
+                if local_s is None:
+                    self.observe_local(done - started)
+                _cancel(link, request)
+                stats.add_call(sent, started, 0.0, request.payload_bytes, 0)
+                stats.executed_mode = "local"
+                stats.extra["hedge"] = {**detail, "won": "local"}
+                return None, outputs
+            self.count(True, "server")
+            stats.extra["hedge"] = {**detail, "won": "server"}
+        with background.GATE.waiting():
+            try:
+                response = future.result(timeout=max(0.0, deadline - link.clock()))
+            except concurrent.futures.TimeoutError:
+                raise OffloadTimeout(f"no answer within {timeout_s:.3f} s") from None
+        self.observe_round_trip(key, time.perf_counter() - sent)
+        return link.checked(response, request, deadline), None
+
+
+def _answered_ok(future) -> bool:
+    """The call has an answer the frame can use (a failure or a refusal is no reason to
+    stop the robot: the frame would fall back to computing locally)."""
+    return (future.done() and future.exception() is None
+            and future.result().status == StatusCode.OK)
+
+
+def _cancel(link, request: ComputeRequest) -> None:
+    """Take ``request`` back from the server, where it may still wait for a compute slot:
+    one small call, not waited for (its answer or failure changes nothing)."""
+    cancel = ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
+                            args_json=json.dumps({"request_id": request.request_id}))
+    link.submit(cancel, CANCEL_TIMEOUT_S).add_done_callback(lambda f: f.exception())
+
+
 class _Answered(Exception):
     """The server answered while the robot was computing the frame."""
 
 
-def forward_unless(model: torch.nn.Module, x, answered: Callable[[], bool]):
-    """``model(x)``, or None when ``answered()`` turns true before it ends (checked before
-    each module's forward, on this thread only)."""
+def forward_unless(model: torch.nn.Module, x, answered: Callable[[], bool], *more):
+    """``model(x, *more)``, or None when ``answered()`` turns true before it ends
+    (checked before each module's forward, on this thread only)."""
     me = threading.get_ident()
 
     def check(_module, _args):
@@ -97,7 +171,7 @@ def forward_unless(model: torch.nn.Module, x, answered: Callable[[], bool]):
     handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
     try:
         with torch.inference_mode():
-            return model(x)
+            return model(x, *more)
     except _Answered:
         return None
     finally:

@@ -115,23 +115,25 @@ def test_a_server_answering_first_stops_the_robots_forward(shared_server):
 def test_the_robot_hedges_only_where_it_can_win():
     hedge = LocalHedge(percentile=95.0, budget=0.5)
     for _ in range(MIN_SAMPLES - 1):
-        hedge.observe_round_trip(0.1)
+        hedge.observe_round_trip("f", 0.1)
     hedge.observe_local(0.05)
     hedge.count(False)
     hedge.count(False)                               # two calls so far, neither hedged
-    assert hedge.delay_s(1.0) is None               # too few round trips measured
-    hedge.observe_round_trip(0.1)
-    assert hedge.delay_s(1.0) == 0.1
-    assert hedge.delay_s(0.12) is None              # no time left for the robot
+    assert hedge.delay_s("f", 1.0) is None          # too few round trips measured
+    hedge.observe_round_trip("f", 0.1)
+    assert hedge.delay_s("f", 1.0) == 0.1
+    assert hedge.delay_s("f", 0.12) is None         # no time left for the robot
+    assert hedge.delay_s("other call", 1.0) is None  # its own round trips: none yet
+    assert hedge.delay_s("f", 1.0, local_s=0.02) == 0.1 and hedge.delay_s("f", 1.0, local_s=0.07) is None
     slow = LocalHedge(percentile=95.0, budget=0.5)
     for _ in range(MIN_SAMPLES):
-        slow.observe_round_trip(0.1)
+        slow.observe_round_trip("f", 0.1)
     slow.observe_local(0.06)                         # the robot takes more than half a late answer
-    assert slow.delay_s(10.0) is None
+    assert slow.delay_s("f", 10.0) is None
     hedge.count(True, "local")
-    assert hedge.delay_s(1.0) is None                # one more: 2 hedges in 3 calls
+    assert hedge.delay_s("f", 1.0) is None           # one more: 2 hedges in 3 calls
     hedge.count(False)                               # one more: 2 of 4, half
-    assert hedge.delay_s(1.0) == 0.1
+    assert hedge.delay_s("f", 1.0) == 0.1
 
 
 @pytest.mark.robot_side
@@ -151,5 +153,38 @@ def test_no_hedge_when_hedging_is_off(shared_server):
         assert client._ctx.local_hedge is None
         _, stats = client.process(_frame(1))
         assert stats.executed_mode == "full_offload"
+    finally:
+        client.close()
+
+
+def test_a_late_partition_tail_is_finished_on_the_robot(shared_server, tmp_path):
+    """``layer_partition`` at a middle cut: when the tail's call is late, the robot runs the
+    tail on its own head tensors, and the outputs are local's."""
+    from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
+    from robot_offload.partition.planner import plan_for
+    from robot_offload.stats import FrameStats
+    client, link = _client(shared_server, link_s=0.3, mode="layer_partition",
+                           profile_dir=str(tmp_path), partition_codecs=("raw",))
+    try:
+        backend = client._get_backend("layer_partition")
+        backend.calibration_inputs, backend.profile_repeats = 1, 1
+        x = client.spec.example_input(client.input_size, seed=3)
+        with torch.inference_mode():
+            ref = client.model(x)
+        st = backend.state(x)
+        plans = [plan_for(st.profile, c.id, sorted(c.bytes)[0], 20e6, st.cfg) for c in st.profile.candidates
+                 if c.kind not in (INPUT_CUT, OUTPUT_CUT)]
+        plans = [p for p in plans if not backend.cut_of(p).statics]
+        plan = plans[len(plans) // 2]
+        for _ in range(MIN_SAMPLES + 4):        # its round trips (~0.3 s)
+            y = backend.run_plan(x, plan, FrameStats(), 10.0)
+        link.late_s, link.late = 3.0, 1
+        stats = FrameStats()
+        t0 = time.perf_counter()
+        y = backend.run_plan(x, plan, stats, 10.0)
+        assert time.perf_counter() - t0 < 2.0
+        assert stats.executed_mode == "local" and stats.extra["hedge"]["won"] == "local", stats.extra
+        assert stats.extra["partition"]["server_compute_s"] is None
+        assert_same_as_local(y, ref, "the tail on the robot")
     finally:
         client.close()

@@ -17,21 +17,17 @@ With one server, a call later than the client's recent round trips is hedged by 
 computing the frame too (:mod:`robot_offload.local_hedge`).
 """
 
-import concurrent.futures
-import dataclasses
 import json
 import logging
-import secrets
 import time
 
 import numpy as np
 import torch
 
-from robot_offload import background, codec, structure
+from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
-from robot_offload.errors import OffloadTimeout, RemoteError
+from robot_offload.errors import RemoteError
 from robot_offload.local_hedge import forward_unless
-from robot_offload.pool import CANCEL_TIMEOUT_S
 from robot_offload.models import MAX_FRAME_SIDE, check_frame_shape
 from robot_offload.protocol import ComputeRequest, StatusCode
 
@@ -41,20 +37,6 @@ log = logging.getLogger(__name__)
 FRAME_ENTRY = "forward_image"
 #: frames refused as too large by one server are remembered, at most this many shapes
 _MAX_REFUSED_SHAPES = 64
-
-
-def _answered_ok(future) -> bool:
-    """The call has an answer the frame can use (a failure or refusal is no reason to stop
-    the robot: the frame would fall back to computing locally)."""
-    return (future.done() and future.exception() is None
-            and future.result().status == StatusCode.OK)
-
-
-class LocalOutputs:
-    """What the robot computed when it answered a hedged frame first."""
-
-    def __init__(self, outputs):
-        self.outputs = outputs
 
 
 @register_backend
@@ -113,54 +95,16 @@ class FullOffloadBackend(Backend):
         stats.plan = f"input=frame uint8/{enc.compression}"
         return outputs
 
-    def _hedged(self, request, remaining_s, delay_s, stats, t1, local_input):
-        """``request`` sent; when it has not answered after ``delay_s``, the robot computes
-        the frame on ``local_input()`` meanwhile (:mod:`robot_offload.local_hedge`). The
-        server's checked response, or :class:`LocalOutputs` when the robot finished first
-        (the server's copy is then cancelled)."""
-        link, hedge = self.ctx.link, self.ctx.local_hedge
-        request = dataclasses.replace(request, request_id=secrets.token_hex(8))
-        sent = time.perf_counter()
-        deadline = link.clock() + remaining_s
-        future = link.submit(request, remaining_s)
-        with background.GATE.waiting():
-            concurrent.futures.wait([future], timeout=delay_s)
-        if future.done():
-            hedge.count(False)
-        else:
-            started = time.perf_counter()
-            x = local_input()
-            t_x = time.perf_counter()
-            y = forward_unless(self.ctx.model, x, lambda: _answered_ok(future))
-            t_y = time.perf_counter()
-            stats.add_compute(t_x, t_y)
-            detail = {"robot_started_after_ms": round((started - sent) * 1e3, 1)}
-            if y is not None:
-                hedge.count(True, "local")
-                hedge.observe_local(t_y - t_x)
-                self._cancel(request)
-                stats.add_call(t1, started, 0.0, request.payload_bytes, 0)
-                stats.executed_mode = "local"
-                stats.extra["hedge"] = {**detail, "won": "local"}
-                return LocalOutputs(y)
-            hedge.count(True, "server")
-            stats.extra["hedge"] = {**detail, "won": "server"}
-        with background.GATE.waiting():
-            try:
-                response = future.result(timeout=max(0.0, deadline - link.clock()))
-            except concurrent.futures.TimeoutError:
-                raise OffloadTimeout(f"no answer within {remaining_s:.3f} s") from None
-        hedge.observe_round_trip(time.perf_counter() - sent)
-        return link.checked(response, request, deadline)
-
-    def _cancel(self, request: ComputeRequest) -> None:
-        """Take ``request`` back from the server, where it may still wait for a compute
-        slot: one small call, not waited for (its answer or failure changes nothing)."""
-        link = self.ctx.link
-        cancel = ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
-                                args_json=json.dumps({"request_id": request.request_id}))
-        future = link.submit(cancel, CANCEL_TIMEOUT_S)
-        future.add_done_callback(lambda f: f.exception())     # nobody waits for it
+    def _computed_here(self, local_input, stats):
+        """The robot's hedge of a late call: the whole model on ``local_input()``, stopped
+        when the server answers (:func:`~robot_offload.local_hedge.forward_unless`)."""
+        def compute(answered):
+            x = local_input()           # preprocessing accounts its own time
+            t0 = time.perf_counter()
+            y = forward_unless(self.ctx.model, x, answered)
+            stats.add_compute(t0, time.perf_counter())
+            return y
+        return compute
 
     def frame_refusal(self, frame) -> str:
         """Why ``frame`` goes up as the preprocessed tensor rather than as it is ("" when
@@ -197,17 +141,14 @@ class FullOffloadBackend(Backend):
             args_json=args_json, output_codec=cfg.output_codec, output_compression=cfg.compression)
         remaining_s = timeout_s - (time.perf_counter() - t0)
         hedge = self.ctx.local_hedge
-        delay_s = hedge.delay_s(remaining_s) if hedge is not None else None
-        if delay_s is None:
+        if hedge is None:
             response = link.compute(request, remaining_s)
-            if hedge is not None:
-                hedge.observe_round_trip(time.perf_counter() - t1)
-                hedge.count(False)
         else:
-            response = self._hedged(request, remaining_s, delay_s, stats, t1, local_input)
-            if isinstance(response, LocalOutputs):
+            response, outputs = hedge.call(link, entry, request, remaining_s, stats,
+                                           self._computed_here(local_input, stats))
+            if response is None:          # the robot answered first
                 stats.add_compute(t0, t1)
-                return response.outputs
+                return outputs
         t2 = time.perf_counter()
         outputs = structure.unflatten([codec.decode(t) for t in response.tensors],
                                       response.structure_json)

@@ -46,6 +46,7 @@ import torch
 
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
+from robot_offload.local_hedge import forward_unless
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
 from robot_offload.partition.cost import predict_cut
 from robot_offload.partition.choice import MeasuredChoice
@@ -321,6 +322,7 @@ class LayerPartitionBackend(Backend):
         link = self.ctx.link
         cfg = self.ctx.config
         cut_prof = st.profile.cut(plan.cut_id)
+        cut = None
         if plan.kind == INPUT_CUT:
             names, tensors = ["input"], [x]
             t_head = t0
@@ -339,7 +341,16 @@ class LayerPartitionBackend(Backend):
                                  tensors=encoded, args_json=args, output_codec=cfg.output_codec,
                                  output_compression=cfg.compression)
         t1 = time.perf_counter()
-        response = link.compute(request, timeout_s - (t1 - t0))
+        here = self._computed_here(cut, x, tensors, stats)
+        if self.ctx.local_hedge is None or here is None:
+            response = link.compute(request, timeout_s - (t1 - t0))
+        else:
+            robot_s = (cut_prof.tail_s if cut is not None else st.profile.forward_s) * st.cfg.robot_load
+            response, y = self.ctx.local_hedge.call(link, f"{entry}:{plan.cut_id}", request,
+                                                    timeout_s - (t1 - t0), stats, here, local_s=robot_s)
+            if response is None:        # the robot answered first: no server time to learn from
+                stats.add_compute(t0, t1)
+                return y, t1, None, codec_name
         t2 = time.perf_counter()
         y = structure.unflatten([codec.decode(t) for t in response.tensors], response.structure_json)
         t3 = time.perf_counter()
@@ -357,6 +368,25 @@ class LayerPartitionBackend(Backend):
         if drift:
             self._replan(st)
         return y, t1, server_s, codec_name
+
+    def _computed_here(self, cut, x, tensors, stats):
+        """The robot's hedge of a late call (:mod:`robot_offload.local_hedge`): the rest of
+        the model on the robot's own head tensors (unencoded), stopped when the server
+        answers; the whole model for the input cut (``cut`` None). None where the tail
+        needs values recorded at this shape (``cut.statics``)."""
+        if cut is None:
+            module, args = self.ctx.model, [x]
+        elif not cut.statics:
+            module, args = self.graph.tail_module(cut), list(tensors)
+        else:
+            return None
+
+        def compute(answered):
+            t0 = time.perf_counter()
+            y = forward_unless(module, args[0], answered, *args[1:])
+            stats.add_compute(t0, time.perf_counter())
+            return y
+        return compute
 
     def close(self) -> None:
         """Keep what was measured on the server: save the profiles (once, when the last
