@@ -153,7 +153,8 @@ class OffloadClient:
                                    hedge_budget=config.hedge_budget, **link_kw)
         elif transport is not None:
             self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash, **link_kw)
-        # one server: a late full offload is hedged by the robot itself (several: by the pool)
+        # one server: a late full offload or partition tail is hedged by the robot itself
+        # (several servers: by the pool)
         hedge = (LocalHedge(config.hedge_percentile, config.hedge_budget)
                  if config.hedge and isinstance(self.link, ServerLink) and not isinstance(self.link, ServerPool)
                  else None)

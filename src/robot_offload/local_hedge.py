@@ -92,7 +92,6 @@ class LocalHedge:
                 self.figures["hedges"] += 1
                 self.figures[f"{winner}_won"] += 1
 
-
     def call(self, link, key: str, request: ComputeRequest, timeout_s: float, stats,
              compute_locally: Callable[[Callable[[], bool]], object],
              local_s: Optional[float] = None) -> Tuple[Optional[ComputeResponse], object]:
@@ -100,8 +99,8 @@ class LocalHedge:
         so: ``(response, None)`` with the server's checked response, or ``(None, outputs)``
         when the robot's ``compute_locally(answered)`` finished first (it returns None
         when ``answered()`` turned true first, and accounts its robot time in ``stats``;
-        the server's copy is cancelled). ``local_s``: as for :meth:`delay_s`; when None, the time
-        ``compute_locally`` took is a sample of the whole model's."""
+        the server's copy is cancelled). ``local_s``: as for :meth:`delay_s`; when None,
+        the time ``compute_locally`` took is a sample of the whole model's."""
         delay = self.delay_s(key, timeout_s, local_s)
         sent = time.perf_counter()
         if delay is None:
