@@ -347,3 +347,26 @@ def test_a_frame_waiting_for_the_preparation_leaves_the_foreground(shared_server
     finally:
         release.set()
         client.close()
+
+
+def test_auto_runs_the_schedules_the_clients_lop_solved(shared_server, tmp_path):
+    """``auto``'s own ``lop`` and the ``lop`` mode of one client share their schedules
+    (solved, re-planned and calibrated once): after ``lop`` ran a shape, ``auto`` has
+    nothing to prepare for it."""
+    client = _client(shared_server, "resnet18", str(tmp_path))
+    try:
+        client.predicted_bandwidth_bps = 100e6
+        frame = _frame(client.spec, client.input_size, seed=8)
+        client.set_mode("lop")
+        client.process(frame)                 # lop profiles and solves the shape
+        client.set_mode("auto")
+        y, stats = client.process(frame)
+        auto = client._get_backend("auto")
+        assert auto.lop._lop is client._get_backend("lop")._lop
+        assert auto._preparing == {} and "background" not in stats.extra["auto"]["reason"]
+        assert stats.executed_mode == "auto", stats.fallback_reason
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        assert_same_up_to_summation_order(y, ref, stats.plan)
+    finally:
+        client.close()

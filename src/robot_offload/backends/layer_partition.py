@@ -74,8 +74,11 @@ class _ShapeState:
 class PartitionKnowledge:
     """What ``layer_partition`` and ``lop`` of one client know about its model, kept once
     in :attr:`BackendContext.shared`: the captured graph, its parsed cuts and, per input
-    shape, the profile, the plan table, the drift tracker's load factors and the measured
-    choice's latencies.
+    shape, the profile, the plan table, the drift tracker's load factors, the measured
+    choice's latencies and ``lop``'s schedules (every ``lop`` of the client: ``auto`` has
+    its own; apart, its schedules were solved and calibrated on its own frames only, and
+    on the testbed it ran KAPAO-L on a spatial region 40-90 ms slower than the ``lop``
+    mode's in the same client).
 
     Both backends run layer partitions (``lop`` wherever LOSS degrades to one, and when its
     measured choice prefers one of layer partitioning's plans to a spatial schedule), so
@@ -92,6 +95,7 @@ class PartitionKnowledge:
         self.graph: ModelGraph = capture(model)
         self.states: Dict[Tuple[int, ...], _ShapeState] = {}
         self.cuts: Dict[Tuple[str, ...], Cut] = {}
+        self.lop: Dict[Tuple[int, ...], object] = {}     # shape -> lop's _LopState
         self.refresh = refresh      # measure profiles again instead of loading the cache
         self.fresh: set = set()     # shapes measured afresh since the last refresh request
         self.users = 0              # open backends; the last to close saves the profiles

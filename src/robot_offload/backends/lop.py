@@ -217,7 +217,7 @@ class LopBackend(LayerPartitionBackend):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._lop: Dict[Tuple[int, ...], _LopState] = {}
+        self._lop: Dict[Tuple[int, ...], _LopState] = self.known.lop     # the client's
         self._regions: Dict[Tuple, Tuple[Region, Cut, Cut]] = {}
 
     # -- schedules ------------------------------------------------------------------------
