@@ -11,11 +11,12 @@ the hedging thread), and when the robot finishes first the server's copy is canc
 ``executed_mode`` is ``local`` when the robot's outputs were used, and ``detail_json``
 holds ``hedge``: who won and after how long the robot started.
 
-The robot hedges only where it can win: its own recent forward (:meth:`observe_local`:
-the local frames and fallbacks of the client, and its warm-up) must take at most
-:data:`LOCAL_SHARE` of the round trip it waits for (a robot about as quick as the server
-would finish about when a late answer comes anyway), and fit what is left of the
-deadline; and in at most
+The robot starts once the call is late for the server *and* for the robot: past the
+percentile, and past its own work (:meth:`observe_local`: the local frames and fallbacks
+of the client, and its warm-up) divided by :data:`LOCAL_SHARE`, so that what it
+computes is at most that share of what the frame has waited (a robot about as quick as
+the server would otherwise start beside every slightly late call and finish about when
+its answer comes). It must fit what is left of the deadline, and hedges at most
 ``hedge_budget`` of the calls (over the last :data:`BUDGET_WINDOW`), so that a server
 slow for good costs the robot a bounded share of its CPU before the frames fall back.
 """
@@ -39,7 +40,7 @@ from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 
 #: local forwards kept (s): the median is the robot's expected time
 LOCAL_WINDOW = 9
-#: the robot hedges when its forward takes at most this share of the round trip it waits for
+#: the robot starts no sooner than when its work is this share of the frame's wait
 LOCAL_SHARE = 0.5
 
 
@@ -67,9 +68,10 @@ class LocalHedge:
     def delay_s(self, key: str, remaining_s: float, local_s: Optional[float] = None) -> Optional[float]:
         """How long to wait before the robot starts on a call of kind ``key`` with
         ``remaining_s`` left of its deadline, when the robot's own work takes ``local_s``
-        (None: the whole model, as measured); or None: not hedged (too few round trips
-        of that kind measured, no local forward measured, the robot's work over
-        :data:`LOCAL_SHARE` of a late round trip, no time for it, or the budget spent)."""
+        (None: the whole model, as measured): the later of the percentile of its recent
+        round trips and ``local_s / LOCAL_SHARE``; or None: not hedged (too few round
+        trips of that kind measured, no local forward measured, no time left for the
+        robot's work, or the budget spent)."""
         with self._lock:
             trips = sorted(self._round_trips.get(key, ()))
             if local_s is None:
@@ -77,7 +79,8 @@ class LocalHedge:
             if len(trips) < MIN_SAMPLES or local_s is None:
                 return None
             late_s = trips[min(len(trips) - 1, int(round(self.percentile / 100.0 * (len(trips) - 1))))]
-            if local_s > LOCAL_SHARE * late_s or late_s + local_s > remaining_s:
+            late_s = max(late_s, local_s / LOCAL_SHARE)
+            if late_s + local_s > remaining_s:
                 return None
             if sum(self._hedged) + 1 > self.budget * max(len(self._hedged), 1):
                 return None

@@ -124,12 +124,15 @@ def test_the_robot_hedges_only_where_it_can_win():
     assert hedge.delay_s("f", 1.0) == 0.1
     assert hedge.delay_s("f", 0.12) is None         # no time left for the robot
     assert hedge.delay_s("other call", 1.0) is None  # its own round trips: none yet
-    assert hedge.delay_s("f", 1.0, local_s=0.02) == 0.1 and hedge.delay_s("f", 1.0, local_s=0.07) is None
+    assert hedge.delay_s("f", 1.0, local_s=0.02) == 0.1
+    assert hedge.delay_s("f", 1.0, local_s=0.07) == pytest.approx(0.14)
     slow = LocalHedge(percentile=95.0, budget=0.5)
     for _ in range(MIN_SAMPLES):
         slow.observe_round_trip("f", 0.1)
-    slow.observe_local(0.06)                         # the robot takes more than half a late answer
-    assert slow.delay_s("f", 10.0) is None
+    slow.count(False)
+    slow.count(False)
+    slow.observe_local(0.06)                         # more than half a late answer: it waits longer
+    assert slow.delay_s("f", 10.0) == pytest.approx(0.12) and slow.delay_s("f", 0.17) is None
     hedge.count(True, "local")
     assert hedge.delay_s("f", 1.0) is None           # one more: 2 hedges in 3 calls
     hedge.count(False)                               # one more: 2 of 4, half
