@@ -24,7 +24,6 @@ slow for good costs the robot a bounded share of its CPU before the frames fall 
 import collections
 import concurrent.futures
 import dataclasses
-import json
 import secrets
 import statistics
 import threading
@@ -35,7 +34,8 @@ import torch
 
 from robot_offload import background
 from robot_offload.errors import OffloadTimeout
-from robot_offload.pool import BUDGET_WINDOW, CANCEL_TIMEOUT_S, LATENCY_WINDOW, MIN_SAMPLES
+from robot_offload.pool import (BUDGET_WINDOW, CANCEL_TIMEOUT_S, LATENCY_WINDOW, MIN_SAMPLES, budget_allows,
+                                cancel_request, percentile_of)
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 
 #: local forwards kept (s): the median is the robot's expected time
@@ -78,11 +78,10 @@ class LocalHedge:
                 local_s = statistics.median(self._local_s) if self._local_s else None
             if len(trips) < MIN_SAMPLES or local_s is None:
                 return None
-            late_s = trips[min(len(trips) - 1, int(round(self.percentile / 100.0 * (len(trips) - 1))))]
-            late_s = max(late_s, local_s / LOCAL_SHARE)
+            late_s = max(percentile_of(trips, self.percentile), local_s / LOCAL_SHARE)
             if late_s + local_s > remaining_s:
                 return None
-            if sum(self._hedged) + 1 > self.budget * max(len(self._hedged), 1):
+            if not budget_allows(self._hedged, self.budget):
                 return None
             return late_s
 
@@ -153,9 +152,7 @@ def _answered_ok(future) -> bool:
 def _cancel(link, request: ComputeRequest) -> None:
     """Take ``request`` back from the server, where it may still wait for a compute slot:
     one small call, not waited for (its answer or failure changes nothing)."""
-    cancel = ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
-                            args_json=json.dumps({"request_id": request.request_id}))
-    link.submit(cancel, CANCEL_TIMEOUT_S).add_done_callback(lambda f: f.exception())
+    link.submit(cancel_request(request), CANCEL_TIMEOUT_S).add_done_callback(lambda f: f.exception())
 
 
 class _Answered(Exception):

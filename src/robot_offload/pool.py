@@ -102,6 +102,23 @@ class ServerDirectory:
     connect: Callable[[str], Transport]
 
 
+def budget_allows(hedged: Sequence[bool], share: float) -> bool:
+    """Whether one more copy keeps the copies within ``share`` of the recent calls
+    (``hedged``: per recent call, whether it was copied)."""
+    return sum(hedged) + 1 <= share * max(len(hedged), 1)
+
+
+def percentile_of(sorted_s: Sequence[float], percentile: float) -> float:
+    """The ``percentile`` (0-100) of the non-empty, sorted ``sorted_s`` (nearest rank)."""
+    return sorted_s[min(len(sorted_s) - 1, int(round(percentile / 100.0 * (len(sorted_s) - 1))))]
+
+
+def cancel_request(request: ComputeRequest) -> ComputeRequest:
+    """The ``cancel`` call that takes ``request`` back by its ``request_id``."""
+    return ComputeRequest(client_id=request.client_id, model=request.model, entry="cancel",
+                          args_json=json.dumps({"request_id": request.request_id}))
+
+
 class _Member:
     def __init__(self, name: str, link: ServerLink):
         self.name = name
@@ -465,8 +482,7 @@ class ServerPool:
         return min(stale, key=lambda m: m.last_used) if stale else None
 
     def _budget_allows_locked(self, share: float) -> bool:
-        """Whether one more copy keeps the copies within ``share`` of the recent calls."""
-        return sum(self._budget) + 1 <= share * max(len(self._budget), 1)
+        return budget_allows(self._budget, share)
 
     def _hedge_delay_s(self, entry: str) -> Optional[float]:
         """When a call to ``entry`` is late enough to hedge: the ``hedge_percentile`` of the
@@ -487,8 +503,7 @@ class ServerPool:
                 windows = [pooled] if len(pooled) >= MIN_SAMPLES else []
         if not windows:
             return None
-        q = self.hedge_percentile / 100.0
-        return min(w[min(len(w) - 1, int(round(q * (len(w) - 1))))] for w in windows)
+        return min(percentile_of(w, self.hedge_percentile) for w in windows)
 
     def _frame(self) -> "_Frame":
         """The calling thread's frame (its worker calls share it, see :meth:`submit`)."""
@@ -556,9 +571,7 @@ class ServerPool:
             if state == "cancelled":
                 with self._lock:
                     self._figures["cancelled"] += 1
-        self._send_aside(losers, ComputeRequest(
-            client_id=request.client_id, model=request.model, entry="cancel",
-            args_json=json.dumps({"request_id": request.request_id})), CANCEL_TIMEOUT_S, counted)
+        self._send_aside(losers, cancel_request(request), CANCEL_TIMEOUT_S, counted)
 
     def _failed(self, member: _Member, error: Exception) -> bool:
         """Note a failed call on ``member``; True when another server may answer it."""
