@@ -159,6 +159,19 @@ class _Answered(Exception):
     """The server answered while the robot was computing the frame."""
 
 
+def computed_here(module: torch.nn.Module, inputs: Callable[[], list], stats):
+    """The robot's side of a hedge, for :meth:`LocalHedge.call`: ``module(*inputs())``
+    stopped when the server answers (:func:`forward_unless`), its forward's time
+    accounted in ``stats`` (``inputs()`` accounts its own, e.g. preprocessing)."""
+    def compute(answered):
+        args = inputs()
+        t0 = time.perf_counter()
+        y = forward_unless(module, args[0], answered, *args[1:])
+        stats.add_compute(t0, time.perf_counter())
+        return y
+    return compute
+
+
 def forward_unless(model: torch.nn.Module, x, answered: Callable[[], bool], *more):
     """``model(x, *more)``, or None when ``answered()`` turns true before it ends
     (checked before each module's forward, on this thread only)."""

@@ -27,7 +27,7 @@ import torch
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.errors import RemoteError
-from robot_offload.local_hedge import forward_unless
+from robot_offload.local_hedge import computed_here
 from robot_offload.models import MAX_FRAME_SIDE, check_frame_shape
 from robot_offload.protocol import ComputeRequest, StatusCode
 
@@ -95,17 +95,6 @@ class FullOffloadBackend(Backend):
         stats.plan = f"input=frame uint8/{enc.compression}"
         return outputs
 
-    def _computed_here(self, local_input, stats):
-        """The robot's hedge of a late call: the whole model on ``local_input()``, stopped
-        when the server answers (:func:`~robot_offload.local_hedge.forward_unless`)."""
-        def compute(answered):
-            x = local_input()           # preprocessing accounts its own time
-            t0 = time.perf_counter()
-            y = forward_unless(self.ctx.model, x, answered)
-            stats.add_compute(t0, time.perf_counter())
-            return y
-        return compute
-
     def frame_refusal(self, frame) -> str:
         """Why ``frame`` goes up as the preprocessed tensor rather than as it is ("" when
         it goes as it is). Raises ConfigError for an array that is no image."""
@@ -145,7 +134,7 @@ class FullOffloadBackend(Backend):
             response = link.compute(request, remaining_s)
         else:
             response, outputs = hedge.call(link, entry, request, remaining_s, stats,
-                                           self._computed_here(local_input, stats))
+                                           computed_here(self.ctx.model, lambda: [local_input()], stats))
             if response is None:          # the robot answered first
                 stats.add_compute(t0, t1)
                 return outputs

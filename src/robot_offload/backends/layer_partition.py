@@ -46,7 +46,7 @@ import torch
 
 from robot_offload import codec, structure
 from robot_offload.backends.base import Backend, register_backend
-from robot_offload.local_hedge import forward_unless
+from robot_offload.local_hedge import computed_here
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
 from robot_offload.partition.cost import predict_cut
 from robot_offload.partition.choice import MeasuredChoice
@@ -345,8 +345,8 @@ class LayerPartitionBackend(Backend):
                                  tensors=encoded, args_json=args, output_codec=cfg.output_codec,
                                  output_compression=cfg.compression)
         t1 = time.perf_counter()
-        here = self._computed_here(cut, x, tensors, stats)
-        if self.ctx.local_hedge is None or here is None:
+        here = self._computed_here(cut, x, tensors, stats) if self.ctx.local_hedge is not None else None
+        if here is None:
             response = link.compute(request, timeout_s - (t1 - t0))
         else:
             robot_s = (cut_prof.tail_s if cut is not None else st.profile.forward_s) * st.cfg.robot_load
@@ -379,18 +379,10 @@ class LayerPartitionBackend(Backend):
         answers; the whole model for the input cut (``cut`` None). None where the tail
         needs values recorded at this shape (``cut.statics``)."""
         if cut is None:
-            module, args = self.ctx.model, [x]
-        elif not cut.statics:
-            module, args = self.graph.tail_module(cut), list(tensors)
-        else:
-            return None
-
-        def compute(answered):
-            t0 = time.perf_counter()
-            y = forward_unless(module, args[0], answered, *args[1:])
-            stats.add_compute(t0, time.perf_counter())
-            return y
-        return compute
+            return computed_here(self.ctx.model, lambda: [x], stats)
+        if not cut.statics:
+            return computed_here(self.graph.tail_module(cut), lambda: list(tensors), stats)
+        return None
 
     def close(self) -> None:
         """Keep what was measured on the server: save the profiles (once, when the last
