@@ -153,7 +153,7 @@ class AutoBackend(Backend):
             return self._while_preparing(frame, stats, timeout_s)
         bw = self.lop.frame_bandwidth(stats)
         i = st.table.index(bw)
-        objective = "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
+        objective = self._objective()
         lop_options = self._lop_options(st, bw, objective)
         options = {LOP: self._best(lop_options.values(), objective),
                    IMAGE: self.errors.correct(self._image_option(st, frame, bw))}
@@ -217,7 +217,7 @@ class AutoBackend(Backend):
             self._start_preparing(shape, frame)
             why = "the schedules of this input shape are being prepared in the background"
             if st is not None:
-                objective = "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
+                objective = self._objective()
                 local = self._local_option(st, bw)
                 image = self.errors.correct(self._image_option(st, frame, bw))
                 predicted = {o.key: {"latency_ms": round(o.latency_s * 1e3, 2),
@@ -298,6 +298,10 @@ class AutoBackend(Backend):
     def _best(options, objective: str) -> _Option:
         """The lop option the frame is judged by: the lower by ``objective``."""
         return min(options, key=lambda o: getattr(o, objective))
+
+    def _objective(self) -> str:
+        """The :class:`_Option` field the client's objective minimises."""
+        return "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
 
     @staticmethod
     def _local_option(st, bw: float) -> _Option:
