@@ -77,7 +77,7 @@ class ClientConfig:
     # offload server under this namespace, found through the ROS master
     fleet_ns: str = ""
     balance: str = "least_predicted_latency"  # round_robin | least_outstanding | least_predicted_latency
-    hedge: bool = True              # a late call also goes to a second server (one server: the robot); first answer wins
+    hedge: bool = True              # a late call also goes to a second server (one: the robot); first wins
     hedge_percentile: float = 95.0  # ... once it is later than this percentile of recent calls
     hedge_budget: float = 0.1       # ... in at most this fraction of calls
     use_server: bool = True         # false: local only, no server connection attempted
