@@ -104,10 +104,14 @@ def test_real_node_layout_record_replay_equals_the_node_alone(launch, tmp_path):
     replayed = [i for i in infs if i["phase"] == "replaying"]
     assert stats["sequences_identified"] >= 1 and len(replayed) >= 2, infs
     assert all(i["round_trips"] <= 2 for i in replayed), infs
-    recorded = [i for i in infs if i["phase"] == "recording"]
+    # A recorded inference during which the server was lost (under load a call may time
+    # out) finished on the robot, with fewer round trips: it says nothing about replay.
+    recorded = [i for i in infs if i["phase"] == "recording" and not i["server_lost"]]
+    assert recorded, infs
     assert min(i["round_trips"] for i in recorded) > 5 * max(i["round_trips"] for i in replayed), infs
     # The weights (a new model object every loop, the same content) cross the link once,
     # with the first frame; a replayed frame sends its voxel grid only (compressed).
     weights_bytes = sum(t.numel() * t.element_size() for t in torch.load(weights)["model"].values())
     print("bytes up per frame:", [i["bytes_up"] for i in infs], "weights", weights_bytes)
-    assert all(i["bytes_up"] < recorded[0]["bytes_up"] - 0.9 * weights_bytes for i in replayed), infs
+    with_weights = max(i["bytes_up"] for i in infs if i["phase"] == "recording")
+    assert all(i["bytes_up"] < with_weights - 0.9 * weights_bytes for i in replayed), infs

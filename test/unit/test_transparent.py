@@ -940,6 +940,7 @@ def test_launcher_session_survives_server_loss_and_resumes(early_replay):
                     time.sleep(0.02)
                 assert not sess.down.is_set()
     assert sess.stats.server_losses == 2
+    assert sum(i.server_lost for i in sess.stats.inferences) == 2, sess.stats.inferences
     assert sess.stats.ops_remote + sess.stats.ops_replayed > remote_before
 
 

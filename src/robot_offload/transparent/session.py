@@ -304,6 +304,8 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         log.warning("offload server lost (%s): computing on the robot until it answers again%s",
                     self.last_error, hint)
         self.stats.server_losses += 1
+        if self.stats.inferences:
+            self.stats.inferences[-1].server_lost = True
         self._spec = None
         self.reset()
         self.down.set()

@@ -13,6 +13,7 @@ class InferenceCount:
     bytes_up: int = 0
     bytes_down: int = 0
     ops: int = 0
+    server_lost: bool = False   # the server was lost during it: the rest ran on the robot
     # A replayed inference's timeline, ms after its first operator (None: did not happen).
     # Early replay hides the robot's checks only when checks_end_ms comes before reply_ms.
     started: float = field(default_factory=time.perf_counter, repr=False)
