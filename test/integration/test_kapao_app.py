@@ -54,8 +54,9 @@ def test_kapao_tracking_launch_flows_and_switches_mode(launch):
 
 def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
     """kapao_repo:=<checkout> runs the checkout's own code (here the stand-in fixture with
-    KAPAO's layout) in the kapao_repo node, its model offloaded by record_replay, and the
-    tracker consumes its poses; the mode switches through the parameter server."""
+    KAPAO's layout) in the kapao_repo node, its model offloaded by auto (record_replay, or
+    the robot where it measured faster), and the tracker consumes its poses; the mode
+    switches through the parameter server."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
@@ -75,6 +76,12 @@ def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
         assert replayed, [(m.phase, m.round_trips, m.fallback_reason) for m in stats[-5:]]
         assert all(m.round_trips <= 2 and m.executed_mode == "record_replay" for m in replayed)
         assert people, "the tracker published nothing from the kapao_repo poses"
+        # auto (the launch default) times the robot too once the server has replayed twice.
+        while time.monotonic() < deadline + 60 and not any(m.phase == "robot" for m in stats):
+            time.sleep(0.2)
+        on_robot = [m for m in stats if m.phase == "robot"]
+        assert on_robot and all(m.executed_mode == "local" and m.round_trips == 0 for m in on_robot), \
+            [(m.phase, m.executed_mode, m.round_trips) for m in stats[-8:]]
         subprocess.run(["rosparam", "set", "/kapao_repo/mode", "transparent"], check=True, timeout=20)
         t_switch, n = time.monotonic(), len(stats)
         while time.monotonic() < t_switch + 60 and not any(m.phase == "transparent" for m in stats[n:]):

@@ -52,14 +52,14 @@ CORPUS_TIMEOUT_S = 3000
 
 @pytest.fixture(scope="module")
 def program_runs(tmp_path_factory):
-    """Each test program plain, and under the launcher in both modes (in-process server):
+    """Each test program plain, and under the launcher in each mode (in-process server):
     (plain outputs, offloaded outputs or None, stats, the launcher's process)."""
     out = tmp_path_factory.mktemp("programs")
     runs = {}
     for prog in ALL_PROGRAMS:
         path = os.path.join(PROGRAMS, prog + ".py")
         _run([path, "--out", str(out / f"{prog}.plain.npz")], out)
-        for mode in ("transparent", "record_replay"):
+        for mode in ("transparent", "record_replay", "auto"):
             stats = out / f"{prog}.{mode}.json"
             result = out / f"{prog}.{mode}.npz"
             proc = _run(["-m", "robot_offload.transparent", "--inproc", "--inproc-device", SERVER_DEVICE,
@@ -72,7 +72,7 @@ def program_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(CORPUS_TIMEOUT_S)
-@pytest.mark.parametrize("mode", ["transparent", "record_replay"])
+@pytest.mark.parametrize("mode", ["transparent", "record_replay", "auto"])
 @pytest.mark.parametrize("prog", ALL_PROGRAMS)
 def test_program_outputs_equal_uninstrumented(program_runs, prog, mode):
     """Every saved array of the offloaded run equals the plain run's bit for bit: the
@@ -134,6 +134,18 @@ def test_replay_after_identification(program_runs, prog, sequences):
     assert all(i["round_trips"] <= 2 for i in replayed), infs
     recorded = [i for i in infs if i["phase"] == "recording"]
     assert min(i["round_trips"] for i in recorded) > 20 * max(i["round_trips"] for i in replayed)
+
+
+@pytest.mark.timeout(CORPUS_TIMEOUT_S)
+@pytest.mark.parametrize("prog", ["classifier_loop", "kapao_loop", "two_models", "parallel_threads"])
+def test_auto_computes_on_the_robot_what_the_robot_computes_faster(program_runs, prog):
+    """With the server in the same process on the same CPU, a replay costs the robot's
+    compute plus its encoding: once timed, the robot computes the program's inferences
+    (their outputs are compared bit for bit above)."""
+    _, _, stats, _ = program_runs[prog, "auto"]
+    infs = stats["inferences"]
+    assert stats["sequences_identified"] >= 1 and stats["robot_inferences"] >= 1, infs
+    assert any(i["phase"] == "robot" and i["round_trips"] == 0 for i in infs), infs
 
 
 @pytest.mark.timeout(CORPUS_TIMEOUT_S)

@@ -3,7 +3,7 @@ with the transparent or record_replay mode (or run locally), publishing the pose
 
 Parameters: ``~kapao_repo`` (path of the checkout), ``~weights`` (e.g. kapao_l_coco.pt),
 ``~data`` (data yaml, relative to the checkout; ``data/coco-kp.yaml``), ``~imgsz`` (1280),
-``~mode`` (``record_replay`` | ``transparent`` | ``local``; read every frame, so
+``~mode`` (``auto`` | ``record_replay`` | ``transparent`` | ``local``; read every frame, so
 ``rosparam set`` switches it), ``~server_ns``, ``~timeout_s`` (deadline of one server call;
 past it the frame finishes on the robot), ``~conf_thres``, ``~conf_thres_kp``,
 ``~auth_secret_file``. Subscribes ``image`` (sensor_msgs/Image); publishes ``~people``
@@ -83,6 +83,8 @@ class KapaoRepoNode:
             poses, stats = self.runner(image, session=session, stats=stats)
         stats.processing_s = time.perf_counter() - t0
         stats.executed_mode = mode
+        if mode == "auto":      # record_replay, or the robot when it measured faster
+            stats.executed_mode = "local" if stats.phase == "robot" else "record_replay"
         if mode in self.refusals:
             stats.executed_mode, stats.fallback_reason = "local", self.refusals[mode]
         if session is not None:

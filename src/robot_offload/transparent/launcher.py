@@ -84,8 +84,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="transparent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=MODES + ("local",), default="record_replay",
-                    help="record_replay (RRTO, default), transparent (one request per operator) or "
-                         "local (the program as it is, nothing intercepted: the reference to compare with)")
+                    help="record_replay (RRTO, default), auto (record_replay, each inference on the "
+                         "robot or replayed on the server, whichever measured faster), transparent (one "
+                         "request per operator) or local (the program as it is, nothing intercepted: "
+                         "the reference to compare with)")
     ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
     ap.add_argument("--inproc", action="store_true", help="run the server in this process (no ROS; for tests)")
     ap.add_argument("--inproc-device", default="cpu",
@@ -145,7 +147,7 @@ def _report(args, session: RemoteSession, t0: float) -> None:
     print(f"[transparent] mode={args.mode} round_trips={s.round_trips} bytes_up={s.bytes_up} "
           f"bytes_down={s.bytes_down} ops_remote={s.ops_remote} ops_replayed={s.ops_replayed} "
           f"replays={s.replays} divergences={s.divergences} sequences={s.sequences_identified} "
-          f"server_losses={s.server_losses} "
+          f"server_losses={s.server_losses} robot_inferences={s.robot_inferences} "
           f"not_static={session.not_static} wall_s={time.perf_counter() - t0:.2f}", file=sys.stderr)
     if s.ops_remote == 0 and s.ops_local > 0:
         print("[transparent] nothing was offloaded: operators run on the server when they read "

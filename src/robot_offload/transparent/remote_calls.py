@@ -183,7 +183,7 @@ class RemoteCallsMixin:
         if t.handle is None:
             raise OffloadError("a remote tensor of a failed or reset session was read")
         _, response = self._send({"fetch": [t.handle]}, [])
-        if self.mode == "record_replay":
+        if self.mode != "transparent":
             self.recorder.note_fetch(t.handle)
             if t._origin is not None:   # read after a replay: prefetch it next time
                 seq = t._origin[0].seq

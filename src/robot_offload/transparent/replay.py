@@ -19,6 +19,7 @@ from robot_offload.transparent import wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, _short_name
 from robot_offload.transparent.proxy import RemoteTensor
 from robot_offload.transparent.recorder import RecordedOp, Sequence, frame_return, resolve_sizes
+from robot_offload.transparent.robot_choice import ROBOT
 from robot_offload.transparent.stats import InferenceCount
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class ReplayMixin:
                     alt = self._probe_key(name, args, kwargs, reused_as_input=True)
                     seq = self.recorder.sequences.get(alt[0]) if alt is not None else None
                 if seq is not None:
+                    if self._choosers is not None and self._choose_where(seq, func, args, kwargs) == ROBOT:
+                        return self._run_on_robot(func, args, kwargs)
                     self._spec = _Speculation(seq)
                     self.stats.inferences.append(InferenceCount("replaying"))
                     try:
@@ -114,6 +117,7 @@ class ReplayMixin:
                         self._diverge(str(e))
                         return self._transparent(func, args, kwargs, record=True)
                 if probe[1]:
+                    self._end_timed()
                     self.stats.inferences.append(InferenceCount("recording"))
         elif not self.stats.inferences:
             self.stats.inferences.append(InferenceCount("recording"))
@@ -501,6 +505,7 @@ class ReplayMixin:
 
     def _note_divergence(self, spec, why: str) -> None:
         self.stats.divergences += 1
+        self._spoil_timed()
         if self.stats.inferences:
             self.stats.inferences[-1].phase = "fallback"
         log.info("record/replay: %s (sequence %s, operator %d); finishing op by op and "

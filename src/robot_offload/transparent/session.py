@@ -79,19 +79,22 @@ from robot_offload.transparent.recorder import Recorder
 from robot_offload.transparent.remote_calls import RemoteCallsMixin, _status_of
 from robot_offload.transparent.replay import ReplayMixin, _Speculation
 from robot_offload.transparent.replay_requests import ReplayRequestsMixin
+from robot_offload.transparent.robot_choice import RobotChoiceMixin
 from robot_offload.transparent.stats import SessionStats
 from robot_offload.transparent.uploads import UploadsMixin
 from robot_offload.transparent.wire import ENTRY
 
 log = logging.getLogger(__name__)
 
-MODES = ("transparent", "record_replay")
+#: ``auto``: record_replay, each inference of an identified sequence on the robot or the
+#: server, whichever measured faster (:mod:`~robot_offload.transparent.robot_choice`)
+MODES = ("transparent", "record_replay", "auto")
 
 _current: "Optional[RemoteSession]" = None
 
 
 class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
-                    ReplayRequestsMixin):
+                    ReplayRequestsMixin, RobotChoiceMixin):
     """One program's (or one backend's) tensors on one server.
 
     ``call(request, timeout_s)`` sends a ComputeRequest and returns the response (a
@@ -105,6 +108,7 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
             raise OffloadError(f"unknown transparent mode {mode!r}; known: {list(MODES)}")
         self._call = call
         self.mode = mode
+        self._init_robot_choice(mode == "auto")
         self.client_id = client_id or "transparent-" + uuid.uuid4().hex[:8]
         self.timeout_s = timeout_s
         self.deadline = None              # absolute perf_counter deadline of a frame (backends
@@ -187,11 +191,27 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
 
     # -- the interception point ----------------------------------------------------------
     def dispatch(self, func, args, kwargs):
+        if self._choosers is None:
+            return self._dispatch(func, args, kwargs)
+        with self._lock:
+            return self._timed_call(self._dispatch_auto, func, args, kwargs)
+
+    def _dispatch_auto(self, func, args, kwargs):
+        if self._on_robot_run() and (self.down.is_set() or not self._starts_sequence(func, args, kwargs)):
+            return self._run_on_robot(func, args, kwargs)
+        return self._dispatch(func, args, kwargs)
+
+    def materialize(self, t):
+        if self._choosers is None:
+            return super().materialize(t)
+        return self._timed_call(super().materialize, t)
+
+    def _dispatch(self, func, args, kwargs):
         with self._lock:
             spec = self._spec
             # The record and the speculation follow one thread (see _follows_thread); the
             # operators of any other go one by one.
-            own = self.mode != "record_replay" or self._follows_thread()
+            own = self.mode == "transparent" or self._follows_thread()
             # The next recorded call, verified by its compiled check: a replayed operator on
             # this sequence's proxies (so remote, current, writing no robot tensor), which
             # the generic checks below would pass too.
@@ -228,7 +248,7 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
                     return self._speculate(func, None, args, kwargs, checked=True)
                 if not own:
                     return self._transparent(func, args, kwargs)
-                if self.mode == "record_replay":
+                if self.mode != "transparent":
                     return self._record_replay(func, args, kwargs)
                 return self._transparent(func, args, kwargs)
             except (TransportError, RemoteError) as e:
@@ -304,6 +324,7 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         log.warning("offload server lost (%s): computing on the robot until it answers again%s",
                     self.last_error, hint)
         self.stats.server_losses += 1
+        self._spoil_timed()
         if self.stats.inferences:
             self.stats.inferences[-1].server_lost = True
         self._spec = None
@@ -376,6 +397,8 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
                  "sequences_identified": self.stats.sequences_identified,
                  "ops_replayed_total": self.stats.ops_replayed,
                  "not_static": self.not_static}
+        if self._choosers is not None and self.last_choice:
+            extra["auto"] = self.last_choice
         timeline = self.stats.inferences[-1].timeline() if began else None
         if timeline:
             extra["timeline_ms"] = timeline
@@ -402,4 +425,6 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         new = self.stats.inferences[n_before:]
         if new and all(i.phase == "replaying" for i in new):
             return "replaying"
+        if new and all(i.phase == "robot" for i in new):
+            return "robot"
         return "recording"

@@ -48,6 +48,7 @@ class SessionStats:
     early_refused: int = 0        # early replays the server refused (counted in early_dropped)
     divergences: int = 0
     sequences_identified: int = 0
+    robot_inferences: int = 0     # auto: inferences of an identified sequence the robot computed
     inferences: List[InferenceCount] = field(default_factory=list)
 
     def summary(self) -> dict:

@@ -1,0 +1,163 @@
+"""``auto`` for programs run through interception: each inference of an identified
+sequence runs on the robot or is replayed on the server, whichever measured faster, and
+gives what a plain run gives either way."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from robot_offload.transparent import robot_choice
+from robot_offload.transparent.robot_choice import ROBOT, SERVER, RobotOrServer
+
+
+def _feed(chooser, robot_s, server_s, n):
+    """n inferences, each timed as the given latencies: the choices made."""
+    made = []
+    for _ in range(n):
+        where = chooser.choose()
+        chooser.observe(where, robot_s if where == ROBOT else server_s)
+        made.append(where)
+    return made
+
+
+@pytest.mark.robot_side
+def test_the_server_first_then_one_robot_probe_then_the_faster():
+    c = RobotOrServer()
+    made = _feed(c, robot_s=0.010, server_s=0.030, n=6)
+    assert made[:3] == [SERVER, SERVER, ROBOT], made       # the robot timed after two replays
+    assert made[3:] == [ROBOT] * 3 and c.serving == ROBOT and c.last["reason"] == "served"
+    c = RobotOrServer()
+    made = _feed(c, robot_s=0.030, server_s=0.010, n=8)
+    assert made.count(ROBOT) == 1 and made[-1] == SERVER, made
+
+
+@pytest.mark.robot_side
+def test_it_follows_a_slower_link_within_a_few_inferences_and_probes_back():
+    c = RobotOrServer(probe_every=5, probe_every_max=20)
+    _feed(c, robot_s=0.020, server_s=0.010, n=10)
+    assert c.serving == SERVER
+    made = _feed(c, robot_s=0.020, server_s=0.080, n=6)   # the link slows
+    assert made.index(ROBOT) <= 3 and c.serving == ROBOT, made
+    made = _feed(c, robot_s=0.020, server_s=0.010, n=25)  # and recovers: a probe finds it
+    first = made.index(SERVER)
+    assert first <= 20 and all(m == SERVER for m in made[first:]), made
+
+
+@pytest.mark.robot_side
+def test_probes_of_a_slow_choice_cost_about_the_probe_cost():
+    c = RobotOrServer(probe_every=10, probe_every_max=100, probe_cost=0.05)
+    assert c.probe_interval(0.010, 0.011) == 10          # close: every probe_every
+    assert c.probe_interval(0.010, 0.030) == 40          # 20 ms more, 5 % of 10 ms: 1 in 40
+    assert c.probe_interval(0.010, 5.0) == 100           # never rarer than probe_every_max
+    made = _feed(c, robot_s=0.010, server_s=0.030, n=203)
+    # After the first replays, one server probe every 40 robot inferences.
+    assert 4 <= made[3:].count(SERVER) <= 6, made
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3)
+        self.b = nn.Conv2d(8, 8, 3)
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.c(h.mean(dim=(2, 3)))
+
+
+class _DelayedTransport:
+    """The in-process server behind a link whose extra delay per call the test sets."""
+
+    def __init__(self, server):
+        from robot_offload.protocol import method_of
+        from robot_offload.transport.inproc import InProcessTransport
+        self.transport, self.method_of = InProcessTransport(server), method_of
+        self.delay_s = 0.0
+
+    def __call__(self, request, timeout_s):
+        time.sleep(self.delay_s)
+        return self.transport.call(self.method_of(request), request, timeout_s)
+
+
+def _frames(sess, net, n, seed):
+    """n frames of a camera loop through ``sess``: (phase of each frame, whether every
+    output equalled the plain run's bit for bit)."""
+    from robot_offload.stats import FrameStats
+    g = torch.Generator().manual_seed(seed)
+    phases, equal = [], True
+    for _ in range(n):
+        x = torch.rand(1, 3, 16, 16, generator=g)
+        with torch.no_grad():
+            ref = net(x)
+            stats = FrameStats(mode="auto", model="net")
+            with sess.frame(stats), sess:
+                y = net(x).cpu()
+        phases.append(stats.phase)
+        equal = equal and torch.equal(y, ref)
+    return phases, equal
+
+
+@pytest.fixture
+def slow_robot(monkeypatch):
+    """The robot computes each operator of a robot inference 2 ms slower (a Jetson's
+    CPU beside the server's), and the choosers probe at least every 8 inferences."""
+    run = robot_choice.RobotChoiceMixin._run_on_robot
+
+    def slower(self, func, args, kwargs):
+        time.sleep(0.002)
+        return run(self, func, args, kwargs)
+    monkeypatch.setattr(robot_choice.RobotChoiceMixin, "_run_on_robot", slower)
+    monkeypatch.setattr(robot_choice, "RobotOrServer",
+                        lambda: RobotOrServer(probe_every=4, probe_every_max=8))
+
+
+def test_auto_session_follows_the_link_and_equals_the_plain_run(shared_server, slow_robot):
+    from robot_offload.transparent.session import RemoteSession
+    torch.manual_seed(0)
+    net = _Net().eval()
+    link = _DelayedTransport(shared_server)
+    sess = RemoteSession(link, mode="auto", timeout_s=10.0, local_fallback=True)
+    # A fast link: after recording and one robot probe, the server serves.
+    phases, equal = _frames(sess, net, 14, seed=1)
+    assert equal
+    assert phases.count("robot") <= 2 and phases[-4:].count("replaying") >= 3, phases
+    assert sess.last_choice["server_ms"] < sess.last_choice["robot_ms"], sess.last_choice
+    # The link slows by 60 ms a call: within a few frames the robot computes them.
+    link.delay_s = 0.06
+    phases, equal = _frames(sess, net, 8, seed=2)
+    assert equal
+    assert phases[-4:] == ["robot"] * 4, phases
+    # It recovers: a probe finds the server faster again.
+    link.delay_s = 0.0
+    phases, equal = _frames(sess, net, 14, seed=3)
+    assert equal
+    assert phases[-4:].count("replaying") >= 3, phases
+    assert sess.stats.divergences == 0 and sess.stats.server_losses == 0
+
+
+def test_a_robot_inference_runs_nothing_on_the_server(shared_server, monkeypatch):
+    """Once the robot serves, its frames make no round trip: the robot computes them as a
+    plain run does."""
+    from robot_offload.transparent.session import RemoteSession
+    monkeypatch.setattr(robot_choice, "RobotOrServer", lambda: RobotOrServer(probe_every_max=1000))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 2, 3)).eval()
+    link = _DelayedTransport(shared_server)
+    sess = RemoteSession(link, mode="auto", timeout_s=10.0, local_fallback=True)
+    link.delay_s = 0.05
+    outs, refs = [], []
+    for _ in range(8):
+        x = torch.rand(1, 3, 12, 12)
+        with sess:
+            outs.append(net(x).cpu())
+        refs.append(net(x))
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    phases = [i.phase for i in sess.stats.inferences]
+    assert phases[-3:] == ["robot"] * 3, phases
+    trips = sess.stats.round_trips
+    with sess:
+        net(torch.rand(1, 3, 12, 12)).cpu()
+    assert sess.stats.round_trips == trips and sess.stats.inferences[-1].phase == "robot"
