@@ -161,3 +161,18 @@ def test_a_robot_inference_runs_nothing_on_the_server(shared_server, monkeypatch
     with sess:
         net(torch.rand(1, 3, 12, 12)).cpu()
     assert sess.stats.round_trips == trips and sess.stats.inferences[-1].phase == "robot"
+
+
+@pytest.mark.robot_side
+def test_a_long_run_keeps_a_bounded_record_of_its_inferences():
+    from robot_offload.transparent.stats import SessionStats
+    stats = SessionStats()
+    for k in range(5 * SessionStats.KEEP_INFERENCES):
+        stats.begin("robot" if k % 2 else "replaying")
+    assert stats.inferences_total == 5 * SessionStats.KEEP_INFERENCES
+    assert len(stats.inferences) <= 2 * SessionStats.KEEP_INFERENCES
+    before = stats.inferences_total
+    stats.begin("robot")
+    stats.begin("robot")
+    assert [i.phase for i in stats.since(before)] == ["robot", "robot"] and stats.since(stats.inferences_total) == []
+    assert len(stats.summary()["inferences"]) == SessionStats.KEEP_INFERENCES

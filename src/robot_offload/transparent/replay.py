@@ -20,7 +20,6 @@ from robot_offload.transparent.fallback import HIDDEN_WRITES, _short_name
 from robot_offload.transparent.proxy import RemoteTensor
 from robot_offload.transparent.recorder import RecordedOp, Sequence, frame_return, resolve_sizes
 from robot_offload.transparent.robot_choice import ROBOT
-from robot_offload.transparent.stats import InferenceCount
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class ReplayMixin:
                     if self._choosers is not None and self._choose_where(seq, func, args, kwargs) == ROBOT:
                         return self._run_on_robot(func, args, kwargs)
                     self._spec = _Speculation(seq)
-                    self.stats.inferences.append(InferenceCount("replaying"))
+                    self.stats.begin("replaying")
                     try:
                         return self._speculate(func, name, args, kwargs)
                     except Mismatch as e:
@@ -118,9 +117,9 @@ class ReplayMixin:
                         return self._transparent(func, args, kwargs, record=True)
                 if probe[1]:
                     self._end_timed()
-                    self.stats.inferences.append(InferenceCount("recording"))
-        elif not self.stats.inferences:
-            self.stats.inferences.append(InferenceCount("recording"))
+                    self.stats.begin("recording")
+        elif not self.stats.inferences_total:
+            self.stats.begin("recording")
         return self._transparent(func, args, kwargs, record=True)
 
     def _probe_key(self, name, args, kwargs, reused_as_input: bool = False):

@@ -26,7 +26,6 @@ import torch
 from robot_offload.transparent import wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, _short_name
 from robot_offload.transparent.proxy import RemoteTensor
-from robot_offload.transparent.stats import InferenceCount
 
 ROBOT, SERVER = "robot", "server"
 
@@ -183,7 +182,7 @@ class RobotChoiceMixin:
         self.last_choice = dict(chooser.last, choice=where)
         if where == ROBOT:
             self.stats.robot_inferences += 1
-            self.stats.inferences.append(InferenceCount("robot"))
+            self.stats.begin("robot")
         return where
 
     def _on_robot_run(self) -> bool:

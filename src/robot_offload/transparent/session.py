@@ -386,10 +386,10 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         on the robot, ``stats.phase`` is set (:meth:`frame_phase`) and
         ``stats.extra["transparent"]`` holds the session's counters and, for a replayed
         inference, its timeline. The block ends once the program has its outputs."""
-        n_before = len(self.stats.inferences)
+        n_before = self.stats.inferences_total
         divergences_before = self.stats.divergences
         yield
-        began = len(self.stats.inferences) > n_before
+        began = self.stats.inferences_total > n_before
         if began:
             self.stats.inferences[-1].mark("outputs_ms")
         stats.phase = self.frame_phase(n_before, divergences_before)
@@ -406,8 +406,8 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
 
     def frame_phase(self, n_before: int, divergences_before: int) -> str:
         """The phase of one frame (one or more inferences through this session), given
-        ``len(self.stats.inferences)`` and ``self.stats.divergences`` taken before it:
-        ``"transparent"``, ``"fallback"``, ``"replaying"`` or ``"recording"``.
+        ``self.stats.inferences_total`` and ``self.stats.divergences`` taken before it:
+        ``"transparent"``, ``"fallback"``, ``"replaying"``, ``"robot"`` or ``"recording"``.
 
         The precedence says what the frame cost. A divergence during the frame comes first:
         part of the frame ran op by op after a replay had begun, and the sequence was
@@ -415,14 +415,15 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
         counter is the signal, not the records' phases, because a divergence marks the
         latest record, which may predate the frame (a speculation still open at the end of
         the previous frame). Otherwise the frame is ``"replaying"`` only when it began at
-        least one inference and every inference it began was answered from a record;
-        anything else (a new record, or no new inference at all) is ``"recording"``.
+        least one inference and every inference it began was answered from a record,
+        ``"robot"`` (``auto``) when the robot computed every one; anything else (a new
+        record, or no new inference at all) is ``"recording"``.
         """
         if self.mode == "transparent":
             return "transparent"
         if self.stats.divergences > divergences_before:
             return "fallback"
-        new = self.stats.inferences[n_before:]
+        new = self.stats.since(n_before)
         if new and all(i.phase == "replaying" for i in new):
             return "replaying"
         if new and all(i.phase == "robot" for i in new):

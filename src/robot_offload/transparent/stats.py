@@ -49,10 +49,30 @@ class SessionStats:
     divergences: int = 0
     sequences_identified: int = 0
     robot_inferences: int = 0     # auto: inferences of an identified sequence the robot computed
+    #: the latest inferences (at most 2 * KEEP_INFERENCES: a long run's memory stays bounded)
     inferences: List[InferenceCount] = field(default_factory=list)
+    inferences_total: int = 0     # inferences begun since the start
+
+    #: inferences kept once the list is trimmed
+    KEEP_INFERENCES = 1000
+
+    def begin(self, phase: str) -> InferenceCount:
+        """A new inference, in ``phase``."""
+        count = InferenceCount(phase)
+        self.inferences.append(count)
+        self.inferences_total += 1
+        if len(self.inferences) > 2 * self.KEEP_INFERENCES:
+            del self.inferences[:-self.KEEP_INFERENCES]
+        return count
+
+    def since(self, total_before: int) -> List[InferenceCount]:
+        """The inferences begun since ``inferences_total`` was ``total_before`` (the
+        latest kept ones, if more were begun)."""
+        n = self.inferences_total - total_before
+        return self.inferences[-n:] if n > 0 else []
 
     def summary(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "inferences"}
         d["inferences"] = [{k: v for k, v in i.__dict__.items() if k != "started"}
-                           for i in self.inferences[-1000:]]
+                           for i in self.inferences[-self.KEEP_INFERENCES:]]
         return d
