@@ -137,11 +137,10 @@ def test_replay_after_identification(program_runs, prog, sequences):
 
 
 @pytest.mark.timeout(CORPUS_TIMEOUT_S)
-@pytest.mark.parametrize("prog", ["classifier_loop", "kapao_loop", "two_models", "parallel_threads"])
-def test_auto_computes_on_the_robot_what_the_robot_computes_faster(program_runs, prog):
-    """With the server in the same process on the same CPU, a replay costs the robot's
-    compute plus its encoding: once timed, the robot computes the program's inferences
-    (their outputs are compared bit for bit above)."""
+@pytest.mark.parametrize("prog", ["classifier_loop", "kapao_loop", "two_models", "preallocated_outputs"])
+def test_auto_times_the_robot_on_a_real_inference(program_runs, prog):
+    """auto: after two replays of a sequence, the robot computes an inference of it with
+    no round trip (the outputs of every inference are compared bit for bit above)."""
     _, _, stats, _ = program_runs[prog, "auto"]
     infs = stats["inferences"]
     assert stats["sequences_identified"] >= 1 and stats["robot_inferences"] >= 1, infs
