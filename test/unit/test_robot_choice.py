@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from robot_offload.transparent import robot_choice
+from robot_offload.transparent import proxy, robot_choice
 from robot_offload.transparent.robot_choice import ROBOT, SERVER, RobotOrServer
 
 
@@ -102,16 +102,20 @@ def _frames(sess, net, n, seed):
 
 @pytest.fixture
 def slow_robot(monkeypatch):
-    """The robot computes each operator of a robot inference 2 ms slower (a Jetson's
-    CPU beside the server's), and the choosers probe at least every 8 inferences."""
-    run = robot_choice.RobotChoiceMixin._run_on_robot
+    """The robot computes each module call of a robot inference 10 ms slower (a Jetson's
+    CPU beside the server's), and the choosers probe at least every 8 inferences. Only
+    module calls that run without interception are slowed: a robot inference that stayed
+    intercepted would not be, and would not win on a slow link."""
+    from torch.nn.modules import module as nn_module
 
-    def slower(self, func, args, kwargs):
-        time.sleep(0.002)
-        return run(self, func, args, kwargs)
-    monkeypatch.setattr(robot_choice.RobotChoiceMixin, "_run_on_robot", slower)
+    def slower(module, args):
+        if proxy.interception_suspended():
+            time.sleep(0.010)
+    hook = nn_module.register_module_forward_pre_hook(slower)
     monkeypatch.setattr(robot_choice, "RobotOrServer",
                         lambda: RobotOrServer(probe_every=4, probe_every_max=8))
+    yield
+    hook.remove()
 
 
 def test_auto_session_follows_the_link_and_equals_the_plain_run(shared_server, slow_robot):
@@ -161,6 +165,140 @@ def test_a_robot_inference_runs_nothing_on_the_server(shared_server, monkeypatch
     with sess:
         net(torch.rand(1, 3, 12, 12)).cpu()
     assert sess.stats.round_trips == trips and sess.stats.inferences[-1].phase == "robot"
+
+
+def _robot_serving_session(shared_server, monkeypatch):
+    """An auto session behind a link 50 ms slower a call, whose choosers never probe the
+    server again once the robot measured faster."""
+    from robot_offload.transparent.session import RemoteSession
+    monkeypatch.setattr(robot_choice, "RobotOrServer", lambda: RobotOrServer(probe_every_max=1000))
+    link = _DelayedTransport(shared_server)
+    link.delay_s = 0.05
+    return RemoteSession(link, mode="auto", timeout_s=10.0, local_fallback=True)
+
+
+def test_a_robot_inference_runs_its_module_calls_without_interception(shared_server, monkeypatch):
+    """Once the robot computes an inference, the model's module calls after its first
+    operator run as in a plain program (no per-operator interception); the program's
+    operators after the model returns are intercepted again, also after a forward that
+    raised."""
+    from robot_offload.transparent.threads import _intercepted_by
+
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 2, 3))
+            self.fail = False
+
+        def forward(self, x):
+            y = self.body(x)
+            if self.fail:
+                raise ValueError("the program's own error")
+            return y
+
+    sess = _robot_serving_session(shared_server, monkeypatch)
+    torch.manual_seed(0)
+    net = Flaky().eval()
+    seen = []
+    net.body[2].register_forward_pre_hook(lambda m, a: seen.append(_intercepted_by(sess)))
+    after = []
+    for _ in range(8):
+        x = torch.rand(1, 3, 12, 12)
+        with sess:
+            y = net(x)
+            after.append(_intercepted_by(sess))
+            out = (y * 2).cpu()
+        assert torch.equal(out, net(x) * 2)
+        seen.pop()                    # (the plain run's call)
+    phases = [i.phase for i in sess.stats.inferences]
+    assert phases[-3:] == ["robot"] * 3, phases
+    assert seen[:3] == [True] * 3 and seen[-3:] == [False] * 3, seen
+    assert all(after), after
+    net.fail = True
+    with sess:
+        with pytest.raises(ValueError):
+            net(torch.rand(1, 3, 12, 12))
+        assert _intercepted_by(sess) and not proxy.interception_suspended()
+    assert sess.stats.inferences[-1].phase == "robot"
+
+
+def test_a_loop_inside_a_module_chooses_for_every_inference(shared_server, monkeypatch):
+    """A program whose frame loop runs inside a module call: each inference of the model
+    it calls begins a new choice (the robot computes each one, timed on its own)."""
+    sess = _robot_serving_session(shared_server, monkeypatch)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 2, 3)).eval()
+
+    class App(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, frames):
+            return [self.net(x).cpu() for x in frames]
+
+    frames = [torch.rand(1, 3, 12, 12) for _ in range(10)]
+    with sess:
+        outs = App()(frames)
+    assert all(torch.equal(o, net(x)) for o, x in zip(outs, frames))
+    assert sess.stats.robot_inferences >= 4 and sess.stats.inferences_total == 10, (
+        [i.phase for i in sess.stats.inferences])
+    assert [i.phase for i in sess.stats.inferences][-3:] == ["robot"] * 3
+
+
+class _Scripted:
+    """A chooser that alternates: two inferences on the server, two on the robot."""
+
+    def __init__(self):
+        self.n, self.last = 0, {}
+
+    def choose(self):
+        self.n += 1
+        where = SERVER if self.n % 4 in (1, 2) else ROBOT
+        self.last = {"choice": where, "reason": "scripted"}
+        return where
+
+    def observe(self, where, seconds):
+        pass
+
+
+def test_a_forward_that_writes_its_weights_stays_intercepted(shared_server, monkeypatch):
+    """A forward that writes into a weight in place, in inference mode (the weight has no
+    version counter): the upload cache must see every such write, so this program's robot
+    inferences stay intercepted, and every output, computed on the robot or on the server
+    after the robot's writes, equals the plain run's."""
+    from robot_offload.transparent.session import RemoteSession
+    from robot_offload.transparent.threads import _intercepted_by
+
+    class Drifting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.gain = nn.Parameter(torch.ones(1))
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            y = self.conv(x)
+            self.gain.mul_(1.5)
+            return self.act(y * self.gain)
+
+    monkeypatch.setattr(robot_choice, "RobotOrServer", _Scripted)
+    sess = RemoteSession(_DelayedTransport(shared_server), mode="auto", timeout_s=10.0, local_fallback=True)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        net, plain = Drifting().eval(), Drifting().eval()
+        plain.load_state_dict(net.state_dict())
+        seen = []
+        net.act.register_forward_pre_hook(lambda m, a: seen.append(_intercepted_by(sess)))
+        for _ in range(16):
+            x = torch.rand(1, 3, 10, 10)
+            with sess:
+                out = net(x).cpu()
+            assert torch.equal(out, plain(x))
+    phases = [i.phase for i in sess.stats.inferences]
+    assert phases.count("robot") >= 2, phases
+    assert sess.weights_written_in_forward
+    assert all(seen), seen
 
 
 @pytest.mark.robot_side

@@ -9,11 +9,12 @@ tells the session whether an operator runs inside a module's forward
 """
 
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from robot_offload.transparent import wire
 
@@ -108,12 +109,85 @@ def in_module_forward() -> bool:
     return getattr(_FORWARD, "depth", 0) > 0
 
 
+class _ForwardWatch:
+    """One inference's module calls in one thread, from the first module-call boundary
+    after its first operator until its outermost module call returns, or until the module
+    it began in is called again (the program's next inference began inside a module that
+    is still running: a loop wrapped in one). The session is told the region's wall time
+    (:meth:`~robot_offload.transparent.robot_choice.RobotChoiceMixin._forward_region_ended`).
+    With ``suspend``, the thread's :class:`Interceptor` is off its dispatch stack for the
+    region: its operators run as in a plain program (the robot computes the inference)."""
+
+    __slots__ = ("session", "restart_module", "suspend", "mode", "started_s")
+
+    def __init__(self, session, restart_module, suspend: bool):
+        self.session, self.restart_module, self.suspend = session, restart_module, suspend
+        self.mode = None            # the interceptor taken off the stack while suspended
+        self.started_s = None       # perf_counter at the region's start (None: not yet)
+
+    def start(self) -> None:
+        self.session._forward_region_started()
+        if self.suspend:
+            top = _get_current_dispatch_mode()
+            if isinstance(top, Interceptor) and top.session is self.session:
+                self.mode = _pop_mode()     # (another mode above it: stay intercepted)
+        self.started_s = time.perf_counter()
+
+    def end(self) -> None:
+        if self.started_s is None:
+            return
+        elapsed_s = time.perf_counter() - self.started_s
+        if self.mode is not None:
+            _push_mode(self.mode)
+            self.mode = None
+        self.session._forward_region_ended(elapsed_s)
+
+
+def watch_forward(session, suspend: bool) -> bool:
+    """At an inference's first operator (inside the session's dispatch): time the rest of
+    its module calls in this thread as one region (:class:`_ForwardWatch`), and with
+    ``suspend`` run them without interception. A region still open in this thread ends
+    first. False (nothing watched) outside any module call."""
+    end_forward_watch()
+    if getattr(_FORWARD, "depth", 0) == 0:
+        return False
+    _FORWARD.watch = _ForwardWatch(session, getattr(_FORWARD, "module", None), suspend)
+    return True
+
+
+def end_forward_watch() -> None:
+    """End this thread's forward region now, if one is open or pending."""
+    watch = getattr(_FORWARD, "watch", None)
+    if watch is not None:
+        _FORWARD.watch = None
+        watch.end()
+
+
+def interception_suspended() -> bool:
+    """Whether this thread runs a region of module calls without its interceptor."""
+    watch = getattr(_FORWARD, "watch", None)
+    return watch is not None and watch.mode is not None
+
+
 def _entering_forward(module, args):
+    watch = getattr(_FORWARD, "watch", None)
+    if watch is not None:
+        if watch.started_s is None:
+            watch.start()
+        elif module is watch.restart_module:
+            end_forward_watch()
     _FORWARD.depth = getattr(_FORWARD, "depth", 0) + 1
+    _FORWARD.module = module
 
 
 def _leaving_forward(module, args, result):
-    _FORWARD.depth = max(0, getattr(_FORWARD, "depth", 0) - 1)
+    _FORWARD.depth = depth = max(0, getattr(_FORWARD, "depth", 0) - 1)
+    watch = getattr(_FORWARD, "watch", None)
+    if watch is not None:
+        if depth == 0:
+            end_forward_watch()
+        elif watch.started_s is None:
+            watch.start()
 
 
 def _install_hooks() -> None:

@@ -3,15 +3,22 @@ operator sequence, compute it on the robot or replay it on the server, whichever
 measured faster.
 
 :class:`RobotOrServer` makes the choice for one sequence from measured times. An
-inference's time is the time the program spent inside operators (and reading values)
-from the sequence's first operator until the next inference begins: what running the
-model costs the program, without its sleeps or its own Python work, the same for both
-choices. The work the program does between inferences (building the next input, reading
-the outputs) counts in both, and only its round trips differ.
+inference's time is what running the model costs the program, the same for both choices:
+from the sequence's first operator until the next inference begins, the time the thread
+spent inside operators and reading values, except that the rest of the module call the
+first operator ran in (the model's forward, until its outermost module call returns)
+counts whole, by the clock. The program's sleeps and its Python work outside the model
+do not count; its operators between inferences (building the next input, reading the
+outputs) count for both choices, and only their round trips differ.
 
 :class:`RobotChoiceMixin` is the session's side: at a sequence's first operator it asks
-the sequence's chooser; on the robot, every operator of the thread runs there, as in a
-plain run, until an operator starts an identified sequence again.
+the sequence's chooser. On the robot, the rest of the model's module call runs without
+interception, as a plain program runs it
+(:func:`~robot_offload.transparent.proxy.watch_forward`): the thread's interceptor is off
+its dispatch stack until the call returns. The thread's operators after that run on the
+robot, intercepted, until an operator starts an identified sequence again. A program
+whose forwards write into their weights stays intercepted throughout, so that the upload
+cache sees every write.
 """
 
 import math
@@ -25,7 +32,7 @@ import torch
 
 from robot_offload.transparent import wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, _short_name
-from robot_offload.transparent.proxy import RemoteTensor
+from robot_offload.transparent.proxy import RemoteTensor, end_forward_watch, watch_forward
 
 ROBOT, SERVER = "robot", "server"
 
@@ -134,6 +141,9 @@ class RobotChoiceMixin:
         #: the start signatures of the sequences chosen so far, and their operators
         self._start_signatures = set()
         self._start_funcs = set()
+        #: a robot-side operator wrote into a weight inside a module's forward (see
+        #: UploadsMixin._note_writes): robot inferences then stay intercepted
+        self.weights_written_in_forward = False
 
     def _timed_call(self, fn, *args):
         """``fn(*args)``, its time counted in the thread's timed inference (outermost
@@ -151,9 +161,22 @@ class RobotChoiceMixin:
             if now is not None and now.thread is threading.current_thread():
                 now.op_s += time.perf_counter() - t0
 
+    def _forward_region_started(self) -> None:
+        """This thread's inference goes on in module calls timed as a whole
+        (:func:`~robot_offload.transparent.proxy.watch_forward`): its operators are not
+        timed one by one meanwhile."""
+        self._in_timed.on = True
+
+    def _forward_region_ended(self, elapsed_s: float) -> None:
+        self._in_timed.on = False
+        t = self._timed
+        if t is not None and t.thread is threading.current_thread():
+            t.op_s += elapsed_s
+
     def _end_timed(self) -> None:
         """The thread's timed inference ends (the next begins): its time goes to its
         sequence's chooser."""
+        end_forward_watch()
         t = self._timed
         if t is None or t.thread is not threading.current_thread():
             return
@@ -183,6 +206,7 @@ class RobotChoiceMixin:
         if where == ROBOT:
             self.stats.robot_inferences += 1
             self.stats.begin("robot")
+        watch_forward(self, suspend=where == ROBOT and not self.weights_written_in_forward)
         return where
 
     def _on_robot_run(self) -> bool:

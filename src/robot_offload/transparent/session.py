@@ -74,7 +74,8 @@ from robot_offload.errors import Incompatible, OffloadError, OffloadTimeout, Rem
 from robot_offload.protocol import ComputeRequest, PingRequest, StatusCode, raise_for_status
 from robot_offload.transparent import allowlist, wire
 from robot_offload.transparent.fallback import HIDDEN_WRITES, FallbackMixin, _is_random, _short_name
-from robot_offload.transparent.proxy import Interceptor, RemoteTensor, _install_hooks, in_module_forward
+from robot_offload.transparent.proxy import (Interceptor, RemoteTensor, _install_hooks, end_forward_watch,
+                                              in_module_forward, interception_suspended)
 from robot_offload.transparent.recorder import Recorder
 from robot_offload.transparent.remote_calls import RemoteCallsMixin, _status_of
 from robot_offload.transparent.replay import ReplayMixin, _Speculation
@@ -185,6 +186,7 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
 
     def __exit__(self, *exc):
         global _current
+        end_forward_watch()           # its interceptor back on the stack, if suspended
         self._mode_ctx.__exit__(*exc)
         _current = self._prev
         return False
@@ -197,7 +199,8 @@ class RemoteSession(UploadsMixin, RemoteCallsMixin, FallbackMixin, ReplayMixin,
             return self._timed_call(self._dispatch_auto, func, args, kwargs)
 
     def _dispatch_auto(self, func, args, kwargs):
-        if self._on_robot_run() and (self.down.is_set() or not self._starts_sequence(func, args, kwargs)):
+        if self._on_robot_run() and (self.down.is_set() or interception_suspended()
+                                     or not self._starts_sequence(func, args, kwargs)):
             return self._run_on_robot(func, args, kwargs)
         return self._dispatch(func, args, kwargs)
 

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy
 import torch
 
-from robot_offload.transparent.proxy import RemoteTensor
+from robot_offload.transparent.proxy import RemoteTensor, in_module_forward
 from robot_offload.transparent.wire import content_digest
 
 #: Robot tensors at least this large are offered by content digest before their bytes.
@@ -193,11 +193,16 @@ class UploadsMixin:
             self.recorder.note_upload(h)
 
     def _note_writes(self, func, args, kwargs) -> None:
-        """Count the writes of a robot-side operator into robot tensors (see _stamp)."""
+        """Count the writes of a robot-side operator into robot tensors (see _stamp). A
+        write into a weight inside a module's forward sets
+        :attr:`weights_written_in_forward`: the program's forwards are then never run
+        without interception, where such writes would go unseen."""
         for t in self._written_tensors(func, args, kwargs):
             if not isinstance(t, RemoteTensor):
                 ptr = _storage_ptr(t)
                 self._writes[ptr] = self._writes.get(ptr, 0) + 1
+                if (_trusted(t) or (t._base is not None and _trusted(t._base))) and in_module_forward():
+                    self.weights_written_in_forward = True
 
 
 def _content_check(t: torch.Tensor):
