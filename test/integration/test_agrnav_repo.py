@@ -1,9 +1,10 @@
 """agrnav_navigation.launch agrnav_repo:=<checkout> runs the checkout's own SCONet node,
 unchanged, under the transparent launcher (here the stand-in fixture with AGRNav's layout
 and behaviour: a node that builds its model again every loop and reads voxel files from a
-folder). In record_replay (the launch default) it publishes what the same node publishes
-alone on the same voxel files, and once its operator sequence is identified a frame costs
-at most two round trips, though its model is a new object every frame."""
+folder). In auto (the launch default: record_replay, each inference on the robot or the
+server, whichever measured faster) it publishes what the same node publishes alone on the
+same voxel files, and once its operator sequence is identified a replayed frame costs at
+most two round trips, though its model is a new object every frame."""
 
 import glob
 import json

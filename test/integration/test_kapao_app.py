@@ -64,7 +64,6 @@ def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
     weights = make_weights(str(tmp_path / "kapao_w.pt"))
     launch.start("kapao_people_tracking.launch", f"kapao_repo:={os.path.abspath(REPO)}",
                  f"kapao_weights:={weights}", "trust_checkpoint:=true", "kapao_imgsz:=128", "rate_hz:=4",
-                 "kapao_mode:=auto",
                  "kapao_timeout_s:=30.0")
     stats, people = [], []
     subs = [rospy.Subscriber("/kapao_repo/stats", InferenceStats, stats.append, queue_size=50),
@@ -77,7 +76,7 @@ def test_kapao_tracking_launch_with_a_kapao_checkout(launch, tmp_path):
         assert replayed, [(m.phase, m.round_trips, m.fallback_reason) for m in stats[-5:]]
         assert all(m.round_trips <= 2 and m.executed_mode == "record_replay" for m in replayed)
         assert people, "the tracker published nothing from the kapao_repo poses"
-        # auto times the robot too once the server has replayed twice.
+        # auto (the launch default) times the robot too once the server has replayed twice.
         while time.monotonic() < deadline + 60 and not any(m.phase == "robot" for m in stats):
             time.sleep(0.2)
         on_robot = [m for m in stats if m.phase == "robot"]

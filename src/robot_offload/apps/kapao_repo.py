@@ -49,7 +49,7 @@ class KapaoRepoConfig:
     weights: str = ""               # its weights file (required)
     data: str = "data/coco-kp.yaml"  # data yaml, relative to the checkout
     imgsz: int = 1280               # inference size (px)
-    mode: str = "record_replay"     # start mode; the node reads ~mode again every frame
+    mode: str = "auto"              # start mode; the node reads ~mode again every frame
     server_ns: str = "/offload_server"
     timeout_s: float = 5.0          # deadline of one server call (s); past it the frame runs locally
     conf_thres: float = 0.5
