@@ -243,6 +243,9 @@ def test_no_hedge_goes_to_a_server_that_would_answer_no_sooner(servers):
     server is predicted to take, its reported queue included: a copy to a server busy with
     other robots' work would only add to it."""
     client, transports = _fleet(servers, mode="full_offload", hedge=True, hedge_budget=0.5)
+    # No copy re-measures a server left unused meanwhile (on a loaded machine /b may be
+    # idle past explore_after_s before the last frames): only hedges are under test here.
+    client.link.explore_after_s = 600.0
     try:
         _latencies(client, _frames(16, seed=5), gap_s=0.0)      # both measured, fast
         transports["/a"].delay_s = 0.4
