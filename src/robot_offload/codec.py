@@ -297,10 +297,19 @@ def _bitunshuffle(payload: bytes, numel: int, bits: int) -> bytes:
     return out.tobytes()
 
 
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes in row-major order as a flat uint8 array: a view, no copy, when
+    its elements are already laid out one after the other, else a copy. Any layout is
+    accepted, including a single element or a size-1 dimension whose stride is not 1 (a
+    slice of a column), which ``reshape(-1).view(torch.uint8)`` refuses."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
+
+
 def _to_bytes(t: torch.Tensor) -> bytes:
-    if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return byte_view(t).tobytes()
 
 
 def encode(tensor: torch.Tensor, name: str = "", codec: str = "raw",

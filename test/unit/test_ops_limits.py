@@ -305,6 +305,18 @@ def test_an_integer_argument_past_int64_is_a_bad_request(session):
     _still_usable(session)
 
 
+def test_a_single_element_slice_of_a_column_is_fetched():
+    """One element of a column has a stride that is not 1; serialising it by viewing its
+    flattened bytes raised (INTERNAL) until every byte view went through ``codec.byte_view``."""
+    c = Client(_server())
+    x = c.op("aten::arange.start", 0.0, 12.0)
+    grid = c.op("aten::reshape", h(x), {"l": [3, 4]})
+    column = c.op("aten::select.int", h(grid), 1, -1)
+    one = c.op("aten::slice.Tensor", h(column), 0, 1, 2)
+    torch.testing.assert_close(c.fetch(one), torch.tensor([7.0]), rtol=0, atol=0)
+    assert wire.content_digest(torch.arange(12.0).reshape(3, 4)[1:2, -1]) == wire.content_digest(torch.tensor([7.0]))
+
+
 @pytest.mark.parametrize("op,args", [
     # work hidden behind small tensors: a pooling window, composites of matrix products
     ("aten::max_pool2d", lambda x: [h(x), {"l": [384, 384]}, {"l": [1, 1]}]),

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from robot_offload.codec import byte_view
 from robot_offload.errors import ConfigError, UnknownModelError
 
 #: held while a model's seeded weights are drawn (ModelSpec.build)
@@ -169,10 +170,9 @@ def weights_hash(model: nn.Module) -> str:
     mean the two sides compute the same function."""
     h = hashlib.sha256()
     for key, value in model.state_dict().items():
-        t = value.detach().to("cpu").contiguous()
+        t = value.detach().to("cpu")
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(byte_view(t))
     return h.hexdigest()
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy
 import torch
 
+from robot_offload.codec import byte_view
 from robot_offload.transparent.proxy import RemoteTensor, in_module_forward
 from robot_offload.transparent.wire import content_digest
 
@@ -228,7 +229,7 @@ def _bytes_of(t: torch.Tensor):
             return t.numpy().reshape(-1).view(numpy.uint8)
         except (TypeError, RuntimeError):
             pass     # no numpy dtype (bfloat16), a conjugate view: through torch
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return byte_view(t)
 
 
 def _trusted(t: torch.Tensor) -> bool:

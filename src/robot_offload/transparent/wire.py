@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from robot_offload.codec import byte_view
 from robot_offload.errors import CodecError
 
 #: The ``compute`` entry that runs intercepted operators (transparent, record_replay).
@@ -52,7 +53,7 @@ def content_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes: how an upload names a tensor the
     server may already hold (robot and server compute it alike)."""
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())  # no copy
+    h.update(byte_view(t.detach().cpu()))
     return h.hexdigest()
 
 
