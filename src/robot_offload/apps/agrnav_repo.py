@@ -6,20 +6,24 @@ subscribe to a topic: every 0.4 s it rebuilds its model, loads its weights, and 
 the first voxel file (``*.bin``, sorted by name) of its dataset folder, publishes the
 occupied voxels it predicts on ``/non_intersection_coordinates``
 (``std_msgs/Float64MultiArray``) and deletes the file. AGRNav's own ``pointcloud_listener``
-writes those files from a point cloud.
+writes those files from a point cloud. The node exits (``num_samples=0``) when it finds
+the folder empty, about 0.5 s after it took a file.
 
 :class:`VoxelFolder` writes them here from any ``sensor_msgs/PointCloud2`` source, in the
 format the node reads: a SemanticKITTI occupancy grid of 256 x 256 x 32 voxels (x, y, z;
 z fastest), one bit per voxel, most significant bit first, with AGRNav's own voxelisation
 (0.1 m voxels from the origin (-10, -10, -0.1) m in the sensor frame). One file at a time:
-the next is written only after the node has taken the previous one, so the node always
-works on the newest sweep and the folder never fills up.
+the newest sweep waits in memory and is written as soon as the node has taken the
+previous file, so the node always works on the newest sweep and the folder never fills
+up. When no new sweep has come ``repeat_after_s`` after the node took a file (a lidar
+slower than the model), the last sweep is written again, so that the node does not exit.
 
 The files are written under a temporary name and renamed, so the node never reads half a
 file. Nothing in the checkout is modified or copied.
 """
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,20 +78,28 @@ def occupancy_from_bits(data: bytes) -> np.ndarray:
 class VoxelFolderConfig:
     """Parameters of the agrnav_voxels node."""
     dataset_root: str = DEFAULT_DATASET_ROOT   # the folder the AGRNav node reads
-    max_pending: int = 1                       # files not taken yet before a sweep is dropped
+    max_pending: int = 1                       # files not taken yet before the next waits in memory
     keep_dir: str = ""                         # also keep every file written here ("": no)
+    #: the folder empty this long (s) with no new sweep: the last one is written again
+    #: (the node lists the folder 0.4-0.5 s after taking a file, and exits if it is empty)
+    repeat_after_s: float = 0.25
 
     def validate(self) -> "VoxelFolderConfig":
         if not self.dataset_root:
             raise ConfigError("dataset_root must name the folder the AGRNav node reads")
         if int(self.max_pending) < 1:
             raise ConfigError(f"max_pending must be at least 1, got {self.max_pending}")
+        if not float(self.repeat_after_s) >= 0:
+            raise ConfigError(f"repeat_after_s must be >= 0, got {self.repeat_after_s}")
         self.max_pending = int(self.max_pending)
+        self.repeat_after_s = float(self.repeat_after_s)
         return self
 
 
 class VoxelFolder:
-    """Writes voxel files for the AGRNav node into its dataset folder (see the module)."""
+    """Writes voxel files for the AGRNav node into its dataset folder (see the module).
+    :meth:`offer` takes each sweep, :meth:`refill` (called often, e.g. every 20 ms) writes
+    the waiting one once the node has taken the previous file. Thread-safe."""
 
     def __init__(self, config: VoxelFolderConfig):
         self.config = config
@@ -95,18 +107,55 @@ class VoxelFolder:
         if config.keep_dir:
             os.makedirs(config.keep_dir, exist_ok=True)
         self.written = 0
-        self.dropped = 0
+        self.dropped = 0      # sweeps replaced by a newer one before they were written
+        self.repeated = 0     # files that are the last sweep written again
+        self._lock = threading.Lock()
+        self._waiting: Optional[bytes] = None   # the newest sweep not written yet
+        self._last: Optional[bytes] = None      # the last sweep written
+        self._empty_since_s: Optional[float] = None
 
     def pending(self) -> int:
         return sum(1 for n in os.listdir(self.config.dataset_root) if n.endswith(".bin"))
 
-    def offer(self, points: np.ndarray) -> Optional[str]:
-        """Write one sweep unless ``max_pending`` files wait already; the file's path, or
-        None (dropped)."""
-        if self.pending() >= self.config.max_pending:
-            self.dropped += 1
-            return None
+    def offer(self, points: np.ndarray, now_s: float) -> Optional[str]:
+        """Take one sweep: written at once when fewer than ``max_pending`` files wait, else
+        kept in memory (replacing, and dropping, an older one kept there). The path of the
+        file written, or None."""
         data = occupancy_bits(points)
+        with self._lock:
+            if self._waiting is not None:
+                self.dropped += 1
+            self._waiting = data
+            return self._refill(now_s)
+
+    def refill(self, now_s: float) -> Optional[str]:
+        """Write the waiting sweep if the node has taken the previous file, or the last
+        sweep again if the folder has been empty for ``repeat_after_s`` with none waiting.
+        The path of the file written, or None."""
+        with self._lock:
+            return self._refill(now_s)
+
+    def _refill(self, now_s: float) -> Optional[str]:
+        pending = self.pending()
+        if pending:
+            self._empty_since_s = None
+        elif self._empty_since_s is None:
+            self._empty_since_s = now_s
+        if pending >= self.config.max_pending:
+            return None
+        if self._waiting is not None:
+            data, self._waiting = self._waiting, None
+        elif (self._last is not None and not pending
+              and now_s - self._empty_since_s >= self.config.repeat_after_s):
+            data = self._last
+            self.repeated += 1
+        else:
+            return None
+        path = self._write(data)
+        self._last, self._empty_since_s = data, None
+        return path
+
+    def _write(self, data: bytes) -> str:
         name = f"{self.written:06d}.bin"
         path = os.path.join(self.config.dataset_root, name)
         tmp = os.path.join(self.config.dataset_root, f".{name}.partial")

@@ -36,6 +36,11 @@ DROPPED_WEIGHTS_KEEP_BYTES = 256 * 1024 * 1024
 class UploadsMixin:
     """The upload cache of a :class:`~robot_offload.transparent.session.RemoteSession`."""
 
+    #: DROPPED_WEIGHTS_KEEP_BYTES, read through the class: a weight's death callback can run
+    #: at interpreter exit, after module globals are cleared (a program that raised holds
+    #: its model in the traceback until then)
+    dropped_weights_keep_bytes = DROPPED_WEIGHTS_KEEP_BYTES
+
     @staticmethod
     def _cache_key(t: torch.Tensor):
         """(key, owner) of a robot tensor in the upload cache. A view of a contiguous robot
@@ -138,7 +143,7 @@ class UploadsMixin:
         built again, releasing the oldest dropped ones beyond DROPPED_WEIGHTS_KEEP_BYTES."""
         self._dropped_weights[h] = nbytes
         kept = sum(self._dropped_weights.values())
-        while kept > DROPPED_WEIGHTS_KEEP_BYTES or len(self._dropped_weights) > 4096:
+        while kept > self.dropped_weights_keep_bytes or len(self._dropped_weights) > 4096:
             old, old_bytes = self._dropped_weights.popitem(last=False)
             kept -= old_bytes
             self._weight_handles = {k: v for k, v in self._weight_handles.items() if v != old}
