@@ -314,3 +314,70 @@ def test_a_long_run_keeps_a_bounded_record_of_its_inferences():
     stats.begin("robot")
     assert [i.phase for i in stats.since(before)] == ["robot", "robot"] and stats.since(stats.inferences_total) == []
     assert len(stats.summary()["inferences"]) == SessionStats.KEEP_INFERENCES
+
+
+class _WatchingSession:
+    """What the interceptor and the forward watch call on a session, and no more: each
+    operator runs here as it is; the first one of an inference starts a suspended watch,
+    as a robot inference of ``auto`` does."""
+
+    def __init__(self):
+        self.ops, self.regions_s, self.started, self.watch_next = [], [], 0, True
+
+    def dispatch(self, func, args, kwargs):
+        self.ops.append(str(func))
+        if self.watch_next:
+            self.watch_next = False
+            assert proxy.watch_forward(self, suspend=True)
+        return func(*args, **kwargs)
+
+    def _forward_region_started(self):
+        self.started += 1
+
+    def _forward_region_ended(self, elapsed_s):
+        self.regions_s.append(elapsed_s)
+
+
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 4), nn.ReLU()
+
+    def forward(self, x):
+        self.act(self.lin(x))
+        raise RuntimeError("the program's forward failed")
+
+
+@pytest.mark.robot_side
+def test_the_interceptor_leaves_the_dispatch_stack_for_the_rest_of_the_forward_and_returns():
+    """The mechanism under a robot inference, with no server (so that it also runs under the
+    robot's torch 2.1): after the module call of the first operator, the thread's operators
+    are not intercepted until the outermost module call returns or raises."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    proxy._install_hooks()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    x = torch.randn(3, 4)
+    plain = net(x)
+    sess = _WatchingSession()
+    mode = proxy.Interceptor(sess)
+    with torch.no_grad(), mode:
+        out = net(x)
+        in_forward = list(sess.ops)
+        assert _get_current_dispatch_mode() is mode and not proxy.interception_suspended()
+        out.add(1.0)
+    assert in_forward and not any("relu" in op for op in in_forward), in_forward   # only the first Linear's
+    assert sess.ops[len(in_forward):] == ["aten.add.Tensor"], sess.ops
+    assert sess.started == 1 and len(sess.regions_s) == 1 and sess.regions_s[0] > 0
+    torch.testing.assert_close(out, plain.detach(), rtol=0, atol=0)
+
+    raises = nn.Sequential(_Raises())
+    sess = _WatchingSession()
+    mode = proxy.Interceptor(sess)
+    with torch.no_grad(), mode:
+        with pytest.raises(RuntimeError, match="forward failed"):
+            raises(x)
+        assert _get_current_dispatch_mode() is mode and not proxy.interception_suspended()
+        x.mul(2.0)
+    assert sess.ops[-1] == "aten.mul.Tensor" and len(sess.regions_s) == 1, sess.ops
+    assert _get_current_dispatch_mode() is None
