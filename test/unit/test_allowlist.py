@@ -206,6 +206,13 @@ def test_call_checks_refuse_sizes_and_values_a_kernel_trusts():
         bad[i] = torch.ones(1)
         with pytest.raises(wire.WireError, match="native_batch_norm"):
             allowlist.check_arguments(bn, bad, {})
+    # evaluation without running statistics: the kernel dereferences them (a segfault)
+    no_stats = [x, torch.ones(3), None, None, None, False, 0.1, 1e-5]
+    with pytest.raises(wire.WireError, match="running_mean and running_var"):
+        allowlist.check_arguments(bn, no_stats, {})
+    with pytest.raises(wire.WireError, match="running_mean and running_var"):
+        allowlist.check_arguments(bn, no_stats[:5], {"training": False, "momentum": 0.1, "eps": 1e-5})
+    allowlist.check_arguments(bn, no_stats[:5] + [True, 0.1, 1e-5], {})      # training: batch statistics
     import torchvision  # noqa: F401  (registers torchvision::roi_align)
     roi_align = torch.ops.torchvision.roi_align.default
     allowlist.check_arguments(roi_align, [x, torch.tensor([[0.0, 0, 0, 2, 2]]), 1.0, 2, 2, 2, False], {})

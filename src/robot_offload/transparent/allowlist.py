@@ -175,7 +175,8 @@ def _arg(args, kwargs, i: int, name: str):
 
 # -- operators whose kernels trust an argument ---------------------------------------------------
 # An allowed operator can still read outside memory when its kernel skips a check that its
-# public wrapper does (native_batch_norm reads running_mean[c] for every channel c), or
+# public wrapper does (native_batch_norm reads running_mean[c] for every channel c, and
+# dereferences missing running statistics in evaluation), or
 # trusts values of its data (roi_align reads the image numbered by each box). These run
 # before such an operator, on every path: the per-operator requests (check_arguments) and
 # each replay of a sequence (call_check, bound when the sequence is compiled).
@@ -191,6 +192,13 @@ def _check_batch_norm(args, kwargs) -> None:
         if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != c):
             raise wire.WireError(f"aten::native_batch_norm: {name} must be None or a vector of the "
                                  f"input's {c} channels")
+    # In evaluation (training false) the kernel normalises with the running statistics
+    # without checking that they exist: with neither, it dereferences null (a segfault).
+    # The public batch_norm refuses that; a crafted call must not reach the kernel.
+    if not _arg(args, kwargs, 5, "training") and (_arg(args, kwargs, 3, "running_mean") is None
+                                                   or _arg(args, kwargs, 4, "running_var") is None):
+        raise wire.WireError("aten::native_batch_norm: running_mean and running_var are needed "
+                             "when training is false")
 
 
 #: roi_align/roi_pool: box coordinates (times spatial_scale) beyond this many image sizes are
