@@ -110,7 +110,7 @@ class VoxelFolder:
         self.dropped = 0      # sweeps replaced by a newer one before they were written
         self.repeated = 0     # files that are the last sweep written again
         self._lock = threading.Lock()
-        self._waiting: Optional[bytes] = None   # the newest sweep not written yet
+        self._waiting: Optional[np.ndarray] = None   # the newest sweep's points, not written yet
         self._last: Optional[bytes] = None      # the last sweep written
         self._empty_since_s: Optional[float] = None
 
@@ -119,13 +119,13 @@ class VoxelFolder:
 
     def offer(self, points: np.ndarray, now_s: float) -> Optional[str]:
         """Take one sweep: written at once when fewer than ``max_pending`` files wait, else
-        kept in memory (replacing, and dropping, an older one kept there). The path of the
-        file written, or None."""
-        data = occupancy_bits(points)
+        kept in memory (replacing, and dropping, an older one kept there); a sweep is
+        voxelised only when it is written. The path of the file written, or None."""
+        points = np.asarray(points)
         with self._lock:
             if self._waiting is not None:
                 self.dropped += 1
-            self._waiting = data
+            self._waiting = points
             return self._refill(now_s)
 
     def refill(self, now_s: float) -> Optional[str]:
@@ -144,7 +144,8 @@ class VoxelFolder:
         if pending >= self.config.max_pending:
             return None
         if self._waiting is not None:
-            data, self._waiting = self._waiting, None
+            points, self._waiting = self._waiting, None
+            data = occupancy_bits(points)      # ValueError: that sweep is dropped
         elif (self._last is not None and not pending
               and now_s - self._empty_since_s >= self.config.repeat_after_s):
             data = self._last

@@ -44,8 +44,8 @@ class AgrnavVoxelsNode:
     def _refill(self, _event):
         try:
             self.folder.refill(time.monotonic())
-        except OSError as e:
-            rospy.logwarn_throttle(5.0, f"agrnav_voxels: cannot write a voxel file: {e}")
+        except (ValueError, OSError) as e:
+            rospy.logwarn_throttle(5.0, f"agrnav_voxels: sweep skipped: {e}")
             return
         if self.folder.repeated > self._repeated_logged:
             self._repeated_logged = self.folder.repeated

@@ -53,7 +53,7 @@ def content_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes: how an upload names a tensor the
     server may already hold (robot and server compute it alike)."""
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(byte_view(t.detach().cpu()))
+    h.update(byte_view(t.cpu()))
     return h.hexdigest()
 
 
