@@ -33,6 +33,8 @@ class ForegroundGate:
         self._cond = threading.Condition()
         self._computing = 0
         self._local = threading.local()
+        self._started = 0       # background threads started with this gate, ever
+        self._running = 0       # ... and alive now
 
     @property
     def computing(self) -> int:
@@ -43,12 +45,38 @@ class ForegroundGate:
     def frame(self):
         """The calling thread computes a frame inside this block."""
         self._enter()
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                self._local.mark = (self._started, self._running > 0)
+        self._local.depth = depth + 1
         try:
             yield
         finally:
             self._local.depth -= 1
             self._leave()
+
+    def contended(self) -> bool:
+        """Whether background work of this gate ran at any time during the calling
+        thread's frame so far (outside a frame: whether any runs now). Alive counts,
+        paused for the frame or not: it takes its share meanwhile."""
+        with self._cond:
+            if self._running:
+                return True
+            if not getattr(self._local, "depth", 0):
+                return False
+            started, was_running = self._local.mark
+            return was_running or self._started != started
+
+    def _began(self) -> None:
+        """A background thread of this gate starts (see :meth:`contended`)."""
+        with self._cond:
+            self._started += 1
+            self._running += 1
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._running -= 1
 
     @contextlib.contextmanager
     def waiting(self):
@@ -105,11 +133,25 @@ def start(target: Callable[[], None], name: str, share: float,
     if not 0.0 < share <= 1.0:
         raise ValueError(f"share must be in (0, 1], not {share!r}")
 
+    gate._began()       # counted from now: a frame that starts it is contended
+
     def run():
-        _background.gate, _background.wait_s = gate, SLICE_S * (1.0 / share - 1.0)
-        _background.resumed = time.perf_counter()
-        target()
+        try:
+            _background.gate, _background.wait_s = gate, SLICE_S * (1.0 / share - 1.0)
+            _background.resumed = time.perf_counter()
+            target()
+        finally:
+            gate._ended()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        gate._ended()
+        raise
     return thread
+
+
+def contended() -> bool:
+    """:meth:`ForegroundGate.contended` of the process's gate."""
+    return GATE.contended()

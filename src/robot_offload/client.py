@@ -247,9 +247,13 @@ class OffloadClient:
         or, when the server is unavailable or fails, the local model on
         ``local_input()``; then the frame's totals and energy. The frame is the
         process's foreground: background planning pauses while it computes
-        (:mod:`robot_offload.background`)."""
+        (:mod:`robot_offload.background`); ``detail_json``'s ``background`` is true when
+        some ran beside it all the same (its latency samples do not last)."""
         with background.GATE.frame():
-            return self._run_frame(stats, t0, run, local_input)
+            result = self._run_frame(stats, t0, run, local_input)
+            if background.GATE.contended():
+                stats.extra["background"] = True
+            return result
 
     def _run_frame(self, stats: FrameStats, t0: float, run, local_input):
         mode = self.mode

@@ -95,6 +95,58 @@ def test_checkpoints_and_waits_outside_their_threads_change_nothing():
         background.start(lambda: None, "x", 0.0, gate=gate)
 
 
+@pytest.mark.robot_side
+def test_a_frame_knows_whether_background_work_ran_beside_it():
+    """Alive counts, paused for the frame or not; work that ended before the frame does
+    not; work that starts and ends within the frame does."""
+    gate = ForegroundGate()
+    assert not gate.contended()
+    with gate.frame():
+        assert not gate.contended()
+    worker = _Worker(gate, share=0.1)
+    try:
+        assert gate.contended()             # outside a frame: one runs now
+        with gate.frame():
+            assert gate.contended()
+    finally:
+        worker.close()
+    assert not worker.thread.is_alive() and not gate.contended()
+    with gate.frame():
+        assert not gate.contended()         # it ended before this frame
+        with gate.frame():                  # nested: the outer frame's mark holds
+            assert not gate.contended()
+        done = threading.Event()
+        background.start(done.set, "short", 1.0, gate=gate).join(10)
+        assert done.is_set() and gate.contended()   # began and ended within the frame
+        with gate.waiting():
+            pass
+        assert gate.contended()
+    with gate.frame():
+        assert not gate.contended()
+    background.GATE.contended()     # the process's gate answers too (no frame here)
+
+
+def test_the_frame_stats_say_when_background_work_ran_beside_it(shared_server):
+    client = OffloadClient(ClientConfig(model="resnet18", mode="local", input_size=(64, 64),
+                                        load_timeout_s=120, timeout_s=120),
+                           InProcessTransport(shared_server))
+    assert client.connect(), client.link.last_error
+    x = torch.rand(1, 3, 64, 64)
+    release = threading.Event()
+    try:
+        _, quiet = client.infer(x)
+        thread = background.start(lambda: release.wait(30), "test-planning", 0.1)
+        _, busy = client.infer(x)
+        release.set()
+        thread.join(30)
+        _, after = client.infer(x)
+    finally:
+        release.set()
+        client.close()
+    assert "background" not in quiet.extra and "background" not in after.extra
+    assert busy.extra.get("background") is True
+
+
 class _Recording(InProcessTransport):
     def __init__(self, server):
         super().__init__(server)

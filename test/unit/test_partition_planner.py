@@ -363,6 +363,50 @@ def test_drift_tracker_replans_after_sustained_drift():
         t.observe("moon", 1, 1)
 
 
+def test_drift_tracker_leaves_out_samples_timed_beside_background_work():
+    t = DriftTracker(threshold=0.3, min_samples=3)
+    assert not any(t.observe("robot", 0.010, 0.030, contended=True) for _ in range(6))
+    assert t.ratio["robot"] == 1.0 and t.samples["robot"] == 0
+    assert [t.observe("robot", 0.010, 0.030) for _ in range(3)] == [False, False, True]
+
+
+def test_measured_choice_drops_samples_timed_beside_background_work_when_it_ends():
+    """The testbed's AGRNav at 20 Mbit/s: while re-planning ran in the background, all
+    local measured 1.5 s and the offloading plan 1.45 s, so the plan served; once the
+    background work ended, all local took 1.2 s, but the plan kept serving on the old
+    samples until a periodic probe. Now the first frame without background work drops
+    them, and all local is timed again at once."""
+    table = PlanTable(_profile(), PlannerConfig())
+    i = next(k for k, p in enumerate(table.plans)
+             if p.kind != "output" and any(a.kind == "output" for a in table.alternatives[k]))
+    plan = table.plans[i]
+    local = next(a for a in table.alternatives[i] if a.kind == "output")
+
+    def run(m, frames, contended, latency):
+        served = []
+        for _ in range(frames):
+            p, _probe = m.choose(i, plan, [local])
+            served.append("local" if p is local else "plan")
+            m.observe(i, p, latency[p.key], contended=contended)
+        return served
+
+    during = {plan.key: 1.45, local.key: 1.50}
+    after = {plan.key: 1.45, local.key: 1.20}
+    m = MeasuredChoice(margin=1e9, every=20, window=3, min_samples=2)
+    assert run(m, 8, True, during)[-3:] == ["plan"] * 3
+    served = run(m, 8, False, after)
+    # the plan's frame that found no background (its sample kept), then both timed again
+    # (fewer than min_samples), then all local served from then on
+    assert served == ["plan", "local", "plan"] + ["local"] * 5, served
+    assert m.median_s(i, local) == pytest.approx(1.20)
+    # without the flag, the old samples decided until the periodic probe
+    old = MeasuredChoice(margin=1e9, every=20, window=3, min_samples=2)
+    run(old, 8, False, during)
+    assert run(old, 8, False, after) == ["plan"] * 8
+    # the error ratios go too: corrected predictions start again from clean frames
+    assert all(not c for d in m._error.values() for _e, c in d)
+
+
 def test_drift_tracker_weighs_short_work_against_the_whole_forward():
     """Short heads that run faster than profiled (a burst under a CPU quota) are no load
     change: they count by their share of the forward, so the forwards decide; one throttled

@@ -100,8 +100,10 @@ class PredictionErrors:
         raw_s = option.raw_latency_s or option.latency_s
         return replace(option, latency_s=raw_s * self.factor(option.kind), raw_latency_s=raw_s)
 
-    def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
-        if predicted_s > 0 and measured_s >= 0:
+    def observe(self, kind: str, predicted_s: float, measured_s: float, contended: bool = False) -> None:
+        """``contended``: background work ran on the robot during the frame: left out
+        (:mod:`robot_offload.background`); the kind keeps its last factor meanwhile."""
+        if predicted_s > 0 and measured_s >= 0 and not contended:
             self._ratios.setdefault(kind, deque(maxlen=self.window)).append(measured_s / predicted_s)
 
 
@@ -187,12 +189,13 @@ class AutoBackend(Backend):
         # on the image offload for a whole run)
         if stats.extra.get("lop", {}).get("timed", True):
             measured_s = time.perf_counter() - t0
+            contended = background.contended()
             ran = chosen if chosen.key == IMAGE else lop_options.get(
                 LOP_SPATIAL if stats.extra["lop"].get("spatial") else LOP_PARTITION)
             if ran is not None:
-                self.errors.observe(ran.kind, ran.raw_latency_s, measured_s)
+                self.errors.observe(ran.kind, ran.raw_latency_s, measured_s, contended)
             if self.choice is not None:
-                self.choice.observe(i, chosen, measured_s)
+                self.choice.observe(i, chosen, measured_s, contended)
         detail = {"predicted": predicted, "bucket": i, "bandwidth_bps": bw}
         if self.choice is not None:
             detail["medians_ms"] = self.choice.last.get("medians_ms", {})

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from robot_offload import codec, structure
+from robot_offload import background, codec, structure
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.local_hedge import computed_here
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut, CutError, ModelGraph, capture
@@ -285,7 +285,7 @@ class LayerPartitionBackend(Backend):
         t0 = time.perf_counter()
         y = self.run_plan(x, plan, stats, timeout_s, bandwidth_bps)
         if st.measured is not None and sample:
-            st.measured.observe(i, plan, time.perf_counter() - t0)
+            st.measured.observe(i, plan, time.perf_counter() - t0, contended=background.contended())
         stats.extra["partition"]["probe"] = probe
         if st.measured is not None:
             stats.extra["partition"]["choice"] = st.measured.last
@@ -309,7 +309,8 @@ class LayerPartitionBackend(Backend):
             t1 = time.perf_counter()
             stats.add_compute(t0, t1)
             server_s = None
-            if st.tracker.observe("robot", st.profile.forward_s, t1 - t0):
+            if st.tracker.observe("robot", st.profile.forward_s, t1 - t0,
+                                  contended=background.contended()):
                 self._replan(st)
         else:
             y, t1, server_s, codec_used = self._offload(x, plan, st, stats, timeout_s, t0)
@@ -367,7 +368,8 @@ class LayerPartitionBackend(Backend):
         st.profile.record_server_tail(plan.cut_id, server_s, device=link.device)
         drift = False
         if plan.kind != INPUT_CUT:
-            drift |= st.tracker.observe("robot", cut_prof.head_s, t_head - t0)
+            drift |= st.tracker.observe("robot", cut_prof.head_s, t_head - t0,
+                                        contended=background.contended())
         drift |= st.tracker.observe("server", cut_prof.tail_s / st.cfg.server_speedup, server_s)
         if drift:
             self._replan(st)

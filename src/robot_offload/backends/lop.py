@@ -123,9 +123,12 @@ class StripeCalibration:
         """Drop the samples: new plans were swapped in (their predictions use other factors)."""
         self._ratios.clear()
 
-    def observe(self, region: Tuple[str, str], side: str, predicted_s: float, measured_s: float) -> None:
-        """A stripe of ``region`` (first and last cut id) on ``side``."""
-        if predicted_s > 1e-3 and math.isfinite(measured_s) and measured_s >= 0:
+    def observe(self, region: Tuple[str, str], side: str, predicted_s: float, measured_s: float,
+                contended: bool = False) -> None:
+        """A stripe of ``region`` (first and last cut id) on ``side``; left out when
+        ``contended`` (timed beside background work on the robot, see
+        :mod:`robot_offload.background`)."""
+        if predicted_s > 1e-3 and math.isfinite(measured_s) and measured_s >= 0 and not contended:
             self._ratios.setdefault((region, side), deque(maxlen=self.window)).append(
                 measured_s / predicted_s)
 
@@ -361,7 +364,7 @@ class LopBackend(LayerPartitionBackend):
         else:
             y = self._run_partition(x, chosen, stats, timeout_s, bw)
         if warm and st.measured is not None:
-            st.measured.observe(j, chosen, time.perf_counter() - t0)
+            st.measured.observe(j, chosen, time.perf_counter() - t0, contended=background.contended())
         stats.extra["lop"]["probe"] = probe
         # whether the frame's latency is what the schedule costs (no solving, profiling or
         # first run of new slab shapes in it): ``auto`` times lop by these frames only
@@ -534,7 +537,8 @@ class LopBackend(LayerPartitionBackend):
             if plan.until:
                 until_s = st.profile.cut(self.cut_named(plan.until).id).tail_s
                 tail_s -= until_s
-                drift = st.tracker.observe("robot", until_s, t_end - t_tail)
+                drift = st.tracker.observe("robot", until_s, t_end - t_tail,
+                                           contended=background.contended())
             else:
                 st.profile.record_server_tail(c2.id, resp_b.server_compute_s, device=link.device)
             drift |= st.tracker.observe("server", tail_s / st.cfg.server_speedup, resp_b.server_compute_s)
@@ -589,7 +593,8 @@ class LopBackend(LayerPartitionBackend):
         if solved is not ls.cfg:
             return
         _, c1, c2 = self.region_of(ls.spatial, plan)
-        ls.calibration.observe((c1.id, c2.id), "robot", plan.robot_stripe_s, robot_stripe_s)
+        ls.calibration.observe((c1.id, c2.id), "robot", plan.robot_stripe_s, robot_stripe_s,
+                               contended=background.contended())
         ls.calibration.observe((c1.id, c2.id), "server", plan.server_stripe_s, server_stripe_s)
         if ls.calibration.update(ls.cfg):
             self.replans += 1
@@ -635,7 +640,8 @@ class LopBackend(LayerPartitionBackend):
         t_end = time.perf_counter()
         if solved is not None:      # a warm frame
             if c2.kind != OUTPUT_CUT and st.tracker.observe("robot", st.profile.cut(c2.id).tail_s,
-                                                            t_end - t_join):
+                                                            t_end - t_join,
+                                                            contended=background.contended()):
                 self._replan(st)    # the robot's tail is whole layers (see _run_spatial)
             self._calibrate(ls, plan, solved, t_r - t_a, resp_a.server_compute_s)
         stats.add_call(t_a, t_a_done, resp_a.server_total_s or resp_a.server_compute_s,

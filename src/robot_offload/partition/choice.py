@@ -52,7 +52,15 @@ class MeasuredChoice:
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
     bucket probe it again. A plan is anything with a ``key`` and a predicted
     ``latency_s``: lop uses it between a spatial schedule and the layer partition of the
-    same bucket."""
+    same bucket.
+
+    A frame timed while background work ran on the robot (planning, see
+    :mod:`robot_offload.background`; ``contended`` to :meth:`observe`) is a sample like
+    the others until the first frame without it; then every such sample is dropped
+    (:meth:`_drop_contended`), and the candidates left with fewer than ``min_samples``
+    are timed again. The background slows the robot's compute more than a wait for the
+    server, so its samples favour offloading, and they would decide for as long as
+    nothing timed the candidates again (``every`` frames)."""
 
     def __init__(self, margin: float = 0.25, every: int = 20, window: int = 3, min_samples: int = 2,
                  known_margin: float = 0.10):
@@ -62,9 +70,11 @@ class MeasuredChoice:
                               "1 <= min_samples <= window")
         self.margin, self.every, self.window, self.min_samples = margin, every, window, min_samples
         self.known_margin = known_margin
+        #: (bucket, plan key) -> (latency_s, contended) of its last frames there
         self._latency: Dict[Tuple[object, object], deque] = {}
-        #: plan key -> measured / predicted latency of its last frames, in any bucket
+        #: plan key -> (measured / predicted latency, contended) of its last frames, in any bucket
         self._error: Dict[object, deque] = {}
+        self._contended = False  # some samples (of either kind) were taken beside background work
         self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
         self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
         self._best: Dict[object, object] = {}  # bucket -> key of its fastest measured plan
@@ -162,7 +172,7 @@ class MeasuredChoice:
         errors = self._error.get(plan.key)
         if not errors or len(errors) < self.min_samples:
             return None
-        return plan.latency_s * statistics.median(errors)
+        return plan.latency_s * statistics.median(e for e, _ in errors)
 
     def ruled_out(self, plan, alternative) -> bool:
         """Both plans have run, in this bucket or others, and ``alternative``'s prediction
@@ -186,7 +196,7 @@ class MeasuredChoice:
 
     def median_s(self, bucket, plan) -> Optional[float]:
         d = self._latency.get(self._mkey(bucket, plan))
-        return statistics.median(d) if d else None
+        return statistics.median(s for s, _ in d) if d else None
 
     def _count(self, bucket, plan) -> int:
         return len(self._latency.get(self._mkey(bucket, plan), ()))
@@ -289,20 +299,43 @@ class MeasuredChoice:
                 continue
             f = statistics.median(scale)
             errors = self._error[key]
-            self._error[key] = deque((e * f for e in errors), maxlen=errors.maxlen)
+            self._error[key] = deque(((e * f, c) for e, c in errors), maxlen=errors.maxlen)
 
-    def observe(self, bucket, plan, latency_s: float) -> None:
+    def observe(self, bucket, plan, latency_s: float, contended: bool = False) -> None:
         """A frame of ``plan`` in ``bucket`` took ``latency_s`` (leave out frames that did
-        more than infer, e.g. the one that measured the profile)."""
-        if math.isfinite(latency_s) and latency_s >= 0:
-            self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(latency_s)
-            best = self._best.get(bucket)
-            if best is not None and plan.key != best and latency_s < self._best_s[bucket]:
-                # Faster than the bucket's fastest: its older samples (a probe every
-                # ``every`` frames) may be stale spikes, so it is timed again at once.
-                self._confirm.setdefault(bucket, (plan.key, self.window - 1))
-            elif self._confirm.get(bucket, (None,))[0] == plan.key:
-                del self._confirm[bucket]        # confirmed it is not faster: back to serving
-            if plan.latency_s > 0 and math.isfinite(plan.latency_s):
-                self._error.setdefault(plan.key, deque(maxlen=2 * self.window)).append(
-                    latency_s / plan.latency_s)
+        more than infer, e.g. the one that measured the profile); ``contended``: background
+        work ran on the robot during it (kept until a frame without, see the class)."""
+        if not (math.isfinite(latency_s) and latency_s >= 0):
+            return
+        contended = bool(contended)
+        if not contended and self._contended:
+            self._drop_contended()
+        self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(
+            (latency_s, contended))
+        best = self._best.get(bucket)
+        if best is not None and plan.key != best and latency_s < self._best_s[bucket]:
+            # Faster than the bucket's fastest: its older samples (a probe every
+            # ``every`` frames) may be stale spikes, so it is timed again at once.
+            self._confirm.setdefault(bucket, (plan.key, self.window - 1))
+        elif self._confirm.get(bucket, (None,))[0] == plan.key:
+            del self._confirm[bucket]        # confirmed it is not faster: back to serving
+        if plan.latency_s > 0 and math.isfinite(plan.latency_s):
+            self._error.setdefault(plan.key, deque(maxlen=2 * self.window)).append(
+                (latency_s / plan.latency_s, contended))
+        self._contended = self._contended or contended
+
+    def _drop_contended(self) -> None:
+        """Forget every sample taken beside background work (latencies and errors), and
+        the fastest plans and confirmations judged from them: the next :meth:`choose`
+        of each bucket ranks what is left, and times again what has too few samples."""
+        for samples in (self._latency, self._error):
+            for key in list(samples):
+                kept = [x for x in samples[key] if not x[1]]
+                if kept:
+                    samples[key] = deque(kept, maxlen=samples[key].maxlen)
+                else:
+                    del samples[key]
+        self._best.clear()
+        self._best_s.clear()
+        self._confirm.clear()
+        self._contended = False

@@ -349,12 +349,16 @@ class DriftTracker:
         ref = self.reference_s.get(side)
         return 1.0 if ref is None else min(1.0, predicted_s / ref)
 
-    def observe(self, side: str, predicted_s: float, measured_s: float) -> bool:
+    def observe(self, side: str, predicted_s: float, measured_s: float, contended: bool = False) -> bool:
         """Fold in one measurement of ``side`` ("robot" or "server") whose profile-based
-        time (load factor 1) is ``predicted_s``."""
+        time (load factor 1) is ``predicted_s``. ``contended``: it was timed while
+        background work (planning) ran on the robot, so it is left out: it measures
+        that work's share of the CPU, which ends with it, not the robot's load, and
+        folded in it re-planned toward offloading (and started more background work)."""
         if side not in self.ratio:
             raise ConfigError(f"unknown side {side!r}")
-        if not (predicted_s > max(self.min_s, 1e-9) and measured_s >= 0 and math.isfinite(measured_s)):
+        if contended or not (predicted_s > max(self.min_s, 1e-9) and measured_s >= 0
+                             and math.isfinite(measured_s)):
             return False
         w = self.weight(side, predicted_s)
         recent = self._recent[side]
