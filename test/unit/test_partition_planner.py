@@ -407,6 +407,40 @@ def test_measured_choice_drops_samples_timed_beside_background_work_when_it_ends
     assert all(not c for d in m._error.values() for _e, c in d)
 
 
+def test_a_schedule_never_measured_is_corrected_by_its_groups_errors():
+    """AGRNav on the indoor trace: a bucket reached for the first time ran its spatial
+    schedule (predicted 0.84 s) in 3.4 s, beside a layer partition measured at 0.85 s,
+    after another spatial schedule had measured 1.8x its prediction. Spatial schedules
+    are one error group: the new one is corrected by the other's errors, so the layer
+    partition leads the bucket and the schedule is not even a probe."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class P:
+        key: str
+        latency_s: float
+        error_group: object = None
+
+    m = MeasuredChoice(margin=0.25, every=100, window=3, min_samples=2, known_margin=0.10)
+    old = P("spatial-a", 1.13, "spatial")
+    cut = P("cut", 0.85)
+    for _ in range(2):
+        m.observe(0, old, 2.04)
+        m.observe(0, cut, 0.85)
+    new = P("spatial-b", 0.84, "spatial")
+    assert m.corrected_s(new) == pytest.approx(0.84 * 2.04 / 1.13)
+    chosen, probe = m.choose(5, new, [cut])
+    assert chosen is cut and not probe and m.last["reason"] == "lead", m.last
+    # no group: uncorrected, it runs as planned
+    lone = P("other", 0.84)
+    assert m.corrected_s(lone) is None
+    assert m.choose(6, lone, [cut]) == (lone, False)
+    # its own frames, once it has them, count over the group's
+    m.observe(7, new, 0.80)
+    m.observe(7, new, 0.82)
+    assert m.corrected_s(new) == pytest.approx(0.84 * (0.80 + 0.82) / 2 / 0.84)
+
+
 def test_drift_tracker_weighs_short_work_against_the_whole_forward():
     """Short heads that run faster than profiled (a burst under a CPU quota) are no load
     change: they count by their share of the forward, so the forwards decide; one throttled

@@ -417,7 +417,9 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                f"Per cell, on the same frames: the best fixed mode over the cell; the oracle "
                f"runs, per {ORACLE_WINDOW_S:g} s of the trace, the fixed mode with the lowest "
                f"median latency in that window; frame-min is each frame's fastest fixed mode "
-               f"(unattainable, for information).\n", oracle, ""]
+               f"(unattainable, for information). Where frames last longer than a window, "
+               f"each window holds one frame of each mode, and the oracle is frame-min.\n",
+               oracle, ""]
     energy = oracle_table(frames, metric="energy_j")
     if energy and getattr(getattr(runner, "cfg", None), "objective", "latency") == "energy":
         md += ["## auto against the fixed modes: energy per inference\n",

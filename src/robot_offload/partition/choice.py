@@ -75,6 +75,8 @@ class MeasuredChoice:
         #: plan key -> (measured / predicted latency, contended) of its last frames, in any bucket
         self._error: Dict[object, deque] = {}
         self._contended = False  # some samples (of either kind) were taken beside background work
+        #: error group -> the plan keys observed in it (see :meth:`corrected_s`)
+        self._groups: Dict[object, set] = {}
         self._since: Dict[object, int] = {}    # bucket -> frames since its last probe
         self._turn: Dict[object, int] = {}     # bucket -> periodic probes so far
         self._best: Dict[object, object] = {}  # bucket -> key of its fastest measured plan
@@ -168,10 +170,21 @@ class MeasuredChoice:
 
     def corrected_s(self, plan) -> Optional[float]:
         """``plan``'s prediction times the median measured / predicted ratio of its last
-        frames in any bucket (None before ``min_samples`` of them)."""
+        frames in any bucket; with fewer than ``min_samples`` of them, of the last frames
+        of every plan in its ``error_group`` where it has one; else None.
+
+        A group is plans the cost model errs on alike: lop's spatial schedules (see
+        :attr:`~robot_offload.partition.loss.LopPlan.error_group`). Each bucket's schedule
+        has its own split and key, so a bucket reached for the first time ran its
+        schedule uncorrected, and its first run is the slowest (new slab shapes): AGRNav
+        on the indoor trace ran one predicted at 0.84 s in 3.4 s, beside layer partitions
+        measured at 0.85 s, after another schedule had measured 1.8x its prediction."""
         errors = self._error.get(plan.key)
         if not errors or len(errors) < self.min_samples:
-            return None
+            group = getattr(plan, "error_group", None)
+            errors = [x for key in self._groups.get(group, ()) for x in self._error.get(key, ())]
+            if group is None or len(errors) < self.min_samples:
+                return None
         return plan.latency_s * statistics.median(e for e, _ in errors)
 
     def ruled_out(self, plan, alternative) -> bool:
@@ -322,6 +335,9 @@ class MeasuredChoice:
         if plan.latency_s > 0 and math.isfinite(plan.latency_s):
             self._error.setdefault(plan.key, deque(maxlen=2 * self.window)).append(
                 (latency_s / plan.latency_s, contended))
+            group = getattr(plan, "error_group", None)
+            if group is not None:
+                self._groups.setdefault(group, set()).add(plan.key)
         self._contended = self._contended or contended
 
     def _drop_contended(self) -> None:

@@ -186,6 +186,14 @@ class LopPlan:
         return self.partition is not None and self.partition.link_free
 
     @property
+    def error_group(self) -> Optional[str]:
+        """Spatial schedules err on their predictions alike (stripes on new slab shapes,
+        per-node costs that do not shrink with the rows), whatever their split: one not
+        yet measured is corrected by the others' errors
+        (:meth:`~robot_offload.partition.choice.MeasuredChoice.corrected_s`)."""
+        return "spatial" if self.spatial else None
+
+    @property
     def key(self) -> Tuple:
         if self.partition is not None:
             return ("partition", self.partition.cut_id, self.partition.encoding)
