@@ -162,21 +162,37 @@ def test_a_candidate_never_measured_is_timed_unless_predicted_far_slower():
     from robot_offload.partition.choice import MeasuredChoice
     auto = SimpleNamespace(choice=MeasuredChoice(min_samples=2), first_probe_factor=3.0)
     lead, image = _Option("lop", 0.040, 1.0), _Option("full_offload_image", 0.100, 1.0)
-    assert AutoBackend._first_probe(auto, [lead, image]) is image          # 2.5x: worth a frame
+    assert AutoBackend._first_probe(auto, [lead, image], 0) is image          # 2.5x: worth a frame
     auto.choice.observe(0, image, 0.030)
-    assert AutoBackend._first_probe(auto, [lead, image]) is image          # one sample is not two
+    assert AutoBackend._first_probe(auto, [lead, image], 0) is image          # one sample is not two
     auto.choice.observe(5, image, 0.031)                                    # another bucket counts
-    assert AutoBackend._first_probe(auto, [lead, image]) is None
+    assert AutoBackend._first_probe(auto, [lead, image], 0) is None
     far = _Option("full_offload_image", 0.130, 1.0)                         # 3.25x: not worth it
     assert AutoBackend._first_probe(SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=3.0),
-                                    [lead, far]) is None
+                                    [lead, far], 0) is None
     # the default factor: KAPAO-L at 20 Mbit/s, the image predicted 2.9x lop is not timed;
     # MobileNetV2's image predicted 1.7x lop (measured faster than predicted) is
     default = SimpleNamespace(choice=MeasuredChoice(), first_probe_factor=AutoBackend.first_probe_factor)
     assert AutoBackend._first_probe(default, [_Option("lop", 0.41, 1.0),
-                                              _Option("full_offload_image", 1.19, 1.0)]) is None
+                                              _Option("full_offload_image", 1.19, 1.0)], 0) is None
     assert AutoBackend._first_probe(default, [_Option("lop", 0.030, 1.0),
-                                              _Option("full_offload_image", 0.050, 1.0)]) is not None
+                                              _Option("full_offload_image", 0.050, 1.0)], 0) is not None
+    # KAPAO-L at 20 Mbit/s: the image's first probe took 1.51 s where lop's median was
+    # 0.75 (more than (1 + margin) ** 2 times): not probed a second time in that bucket,
+    # still in another
+    kapao = SimpleNamespace(choice=MeasuredChoice(min_samples=2), first_probe_factor=2.0)
+    lop, img = _Option("lop", 0.89, 1.0), _Option("full_offload_image", 1.45, 1.0)
+    for _ in range(3):
+        kapao.choice.observe(13, lop, 0.75)
+    assert AutoBackend._first_probe(kapao, [lop, img], 13) is img
+    kapao.choice.observe(13, img, 1.51)
+    assert AutoBackend._first_probe(kapao, [lop, img], 13) is None
+    assert AutoBackend._first_probe(kapao, [lop, img], 14) is img
+    close = SimpleNamespace(choice=MeasuredChoice(min_samples=2), first_probe_factor=2.0)
+    for _ in range(3):
+        close.choice.observe(13, lop, 0.75)
+    close.choice.observe(13, img, 1.0)           # within (1 + margin) ** 2: probed again
+    assert AutoBackend._first_probe(close, [lop, img], 13) is img
 
 
 def test_each_kind_of_prediction_is_corrected_by_its_own_errors():

@@ -167,7 +167,7 @@ class AutoBackend(Backend):
         if self.choice is None:
             chosen, reason = ranked[0], f"lowest predicted {objective[:-2]}"
         else:
-            chosen, reason = self._first_probe(ranked), "probe: never measured"
+            chosen, reason = self._first_probe(ranked, i), "probe: never measured"
             if chosen is None:
                 chosen, _probe = self.choice.choose(i, ranked[0], ranked[1:])
                 reason = str(self.choice.last.get("reason", ""))
@@ -259,18 +259,28 @@ class AutoBackend(Backend):
             log.info("auto: plans of %s prepared in the background in %.1f s", shape, time.perf_counter() - t0)
         self._preparing[shape] = background.start(prepare, "auto-prepare", self.prepare_cpu_share)
 
-    def _first_probe(self, ranked):
+    def _first_probe(self, ranked, bucket):
         """A candidate measured on fewer than ``min_samples`` frames in any bucket and
         predicted within :attr:`first_probe_factor` of the leader, or None. The cost model
         errs most on what a frame has never timed (the image's server time before any image
         went up: MobileNetV2's predicted 45-50 ms on the testbed, measured 32), and only
         measured ratios correct it (:meth:`MeasuredChoice.lead`); a candidate predicted far
-        slower (an upload over a dead link) is not worth the frame."""
+        slower (an upload over a dead link) is not worth the frame. Nor is a second probe
+        of one whose first, in this ``bucket``, measured more than ``(1 + margin) ** 2``
+        times the leader's median there, as :meth:`MeasuredChoice.candidate` rules for
+        its own probes (KAPAO-L at 20 Mbit/s: the image probed at 1.51 s beside lop's
+        0.75, then again at 1.47)."""
         lead = ranked[0]
+        choice = self.choice
+        ref = choice.median_s(bucket, lead)
         for o in ranked[1:]:
-            if (self.choice.error_samples(o) < self.choice.min_samples
-                    and o.latency_s <= lead.latency_s * self.first_probe_factor):
-                return o
+            n = choice.error_samples(o)
+            if n >= choice.min_samples or o.latency_s > lead.latency_s * self.first_probe_factor:
+                continue
+            measured = choice.median_s(bucket, o)
+            if n and ref is not None and measured is not None and measured > ref * (1 + choice.margin) ** 2:
+                continue
+            return o
         return None
 
     # -- predictions ----------------------------------------------------------------------
