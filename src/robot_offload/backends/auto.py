@@ -267,20 +267,15 @@ class AutoBackend(Backend):
         measured ratios correct it (:meth:`MeasuredChoice.lead`); a candidate predicted far
         slower (an upload over a dead link) is not worth the frame. Nor is a second probe
         of one whose first, in this ``bucket``, measured more than ``(1 + margin) ** 2``
-        times the leader's median there, as :meth:`MeasuredChoice.candidate` rules for
-        its own probes (KAPAO-L at 20 Mbit/s: the image probed at 1.51 s beside lop's
+        times the leader's median there (:meth:`MeasuredChoice.far_slower`, as
+        :meth:`MeasuredChoice.candidate` rules for its own probes) (KAPAO-L at 20 Mbit/s: the image probed at 1.51 s beside lop's
         0.75, then again at 1.47)."""
         lead = ranked[0]
-        choice = self.choice
-        ref = choice.median_s(bucket, lead)
         for o in ranked[1:]:
-            n = choice.error_samples(o)
-            if n >= choice.min_samples or o.latency_s > lead.latency_s * self.first_probe_factor:
-                continue
-            measured = choice.median_s(bucket, o)
-            if n and ref is not None and measured is not None and measured > ref * (1 + choice.margin) ** 2:
-                continue
-            return o
+            n = self.choice.error_samples(o)
+            if (n < self.choice.min_samples and o.latency_s <= lead.latency_s * self.first_probe_factor
+                    and not (n and self.choice.far_slower(bucket, lead, o))):
+                return o
         return None
 
     # -- predictions ----------------------------------------------------------------------

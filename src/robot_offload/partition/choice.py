@@ -123,7 +123,7 @@ class MeasuredChoice:
         ref = self.median_s(bucket, plan)
         if n >= self.min_samples:
             return ref is None or self.median_s(bucket, alternative) <= ref * (1 + self.margin)
-        if n and ref is not None and self.median_s(bucket, alternative) > ref * (1 + self.margin) ** 2:
+        if n and self.far_slower(bucket, plan, alternative):
             # Its first frame here measured slower than the plan by more than ``margin``
             # twice over: a second probe to confirm it costs as much again (KAPAO-L at
             # 50 Mbit/s: a cut probed at 729 ms beside a spatial schedule at 395, then
@@ -142,6 +142,12 @@ class MeasuredChoice:
             # ruled out, predicted 50 ms, ran 55 ms and was never timed).
             return ref is not None and alternative.latency_s < ref
         return True
+
+    def far_slower(self, bucket, plan, alternative) -> bool:
+        """Both have measured in ``bucket``, and ``alternative``'s median there is more
+        than ``(1 + margin) ** 2`` times ``plan``'s: not worth a second probe."""
+        ref, measured = self.median_s(bucket, plan), self.median_s(bucket, alternative)
+        return ref is not None and measured is not None and measured > ref * (1 + self.margin) ** 2
 
     def nearby_best(self, bucket, plan) -> bool:
         """``plan`` is what a neighbouring bucket (index +-1, one bandwidth step) served
