@@ -107,6 +107,18 @@ def test_launcher_local_mode_runs_the_program_as_it_is(tmp_path):
     assert "[transparent] mode=local" in proc.stderr and "round_trips" not in proc.stderr
 
 
+def test_launcher_runs_a_program_in_auto_unless_told_otherwise(tmp_path):
+    """Without --mode the launcher runs ``auto`` (as the launch files do): the summary
+    names the mode, and the program's output is its own."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("import torch\ntorch.manual_seed(0)\nw = torch.nn.Linear(4, 2)\n"
+                    "print('sum', w(torch.ones(1, 4)).sum().item())\n")
+    plain = _run([str(prog)], tmp_path)
+    proc = _run(["-m", "robot_offload.transparent", "--inproc", "--", "python", str(prog)], tmp_path)
+    assert proc.stdout == plain.stdout and plain.stdout.startswith("sum ")
+    assert "[transparent] mode=auto " in proc.stderr, proc.stderr[-2000:]
+
+
 def test_launcher_reports_when_the_program_raises(tmp_path):
     """The summary and --stats-out come also from a program that raises; the exception
     then reaches the caller (a traceback and a non-zero exit status)."""

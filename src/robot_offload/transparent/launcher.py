@@ -83,9 +83,10 @@ def run_program(command, session: Optional[RemoteSession]) -> int:
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="transparent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=MODES + ("local",), default="record_replay",
-                    help="record_replay (RRTO, default), auto (record_replay, each inference on the "
-                         "robot or replayed on the server, whichever measured faster), transparent (one "
+    ap.add_argument("--mode", choices=MODES + ("local",), default="auto",
+                    help="auto (default: record_replay, each inference on the robot or replayed on the "
+                         "server, whichever measured faster), record_replay (RRTO: every identified "
+                         "inference replayed on the server), transparent (one "
                          "request per operator) or local (the program as it is, nothing intercepted: "
                          "the reference to compare with)")
     ap.add_argument("--server-ns", default="/offload_server", help="namespace of the offload_server services")
