@@ -12,10 +12,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from robot_offload import backends, background, checks
+from robot_offload import backends, background, checks, frame_codec
 from robot_offload.codec import CODECS, COMPRESSIONS
 from robot_offload.energy import modelled_energy_j
-from robot_offload.errors import ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
+from robot_offload.errors import CodecError, ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.local_hedge import LocalHedge
 from robot_offload.mode_control import MODE_CONTROLS
@@ -41,6 +41,7 @@ class ClientConfig:
     codec: str = "raw"              # input/activation codec: raw, float16, int8
     compression: str = "none"       # none or zstd
     output_codec: str = "raw"       # codec the server uses for outputs
+    input_jpeg_quality: int = 0     # full_offload sends camera frames as JPEG of this quality (lossy); 0 = off
     input_size: Sequence[int] = ()  # override the registry's input size; () = default
     weights: str = ""               # local weights file; "" = registry's seeded weights
     client_id: str = field(default_factory=lambda: "client-" + uuid.uuid4().hex[:8])
@@ -97,6 +98,11 @@ class ClientConfig:
                                    ("compression", self.compression, COMPRESSIONS)):
             if value not in known:
                 raise ConfigError(f"unknown {name} {value!r}; known: {list(known)}")
+        if self.input_jpeg_quality != 0:
+            try:
+                frame_codec.check_quality(self.input_jpeg_quality)
+            except CodecError as e:
+                raise ConfigError(f"input_jpeg_quality: {e} (0 = off)") from None
         if self.input_size and any(int(s) <= 0 for s in self.input_size):
             raise ConfigError(f"input_size must be positive, got {list(self.input_size)}")
         if not (self.compute_w >= self.idle_w >= 0 and self.transmit_w >= self.idle_w):

@@ -35,6 +35,10 @@ one; ``compression`` always says what is on the wire):
   where zstd finds them. ``raw_size`` is the payload size before it. (Shuffling without
   compression would not change the size, so it is not offered on its own.)
 
+Camera frames may also go as ``jpeg`` (lossy, opt-in; :mod:`robot_offload.frame_codec`):
+:func:`check_header` accepts its header, and :func:`decode` decodes it only for a caller
+that asks for frames (``frames=True``; the server's ``forward_image`` entry).
+
 Decoding trusts nothing: codec, dtype, shape, sizes and quantisation parameters are checked
 against each other and against a maximum payload size before a byte is interpreted, and the
 bytes are only ever read with ``torch.frombuffer`` / ``numpy.frombuffer`` -- nothing is
@@ -49,6 +53,7 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from robot_offload import frame_codec
 from robot_offload.errors import CodecError
 
 #: Integer codecs and their bit widths (affine quantisation with an input-specific scale).
@@ -399,13 +404,13 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
             raise CodecError(f"tensor field {name!r} must be a string")
     if not isinstance(enc.data, (bytes, bytearray, memoryview)):
         raise CodecError(f"tensor {enc.name!r}: data must be bytes")
-    if enc.codec not in CODECS:
-        raise CodecError(f"unknown codec {enc.codec!r}; known: {list(CODECS)}")
+    if enc.codec not in CODECS + frame_codec.FRAME_CODECS:
+        raise CodecError(f"unknown codec {enc.codec!r}; known: {list(CODECS + frame_codec.FRAME_CODECS)}")
     if enc.compression not in COMPRESSIONS:
         raise CodecError(f"unknown compression {enc.compression!r}; known: {list(COMPRESSIONS)}")
     if enc.dtype not in _DTYPES:
         raise CodecError(f"unknown dtype {enc.dtype!r}; known: {sorted(_DTYPES)}")
-    if enc.codec != "raw" and enc.dtype not in _FLOATING:
+    if enc.codec in CODECS and enc.codec != "raw" and enc.dtype not in _FLOATING:
         raise CodecError(f"codec {enc.codec} needs a floating dtype, got {enc.dtype}")
     shape = _checked_shape(enc)
     try:
@@ -418,6 +423,13 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     except (TypeError, ValueError, OverflowError):
         raise CodecError(f"tensor {enc.name!r}: raw_size and zero_point must be integers "
                          f"and scale a number") from None
+    if enc.codec in frame_codec.FRAME_CODECS:
+        if float(enc.scale) != float(enc.scale) or enc.zero_point != 0:
+            raise CodecError(f"tensor {enc.name!r}: a {enc.codec} frame has zero_point 0 and a number as scale")
+        if _numel(shape) > max_bytes:
+            raise PayloadTooLarge(f"tensor {enc.name!r}: frame {shape} needs {_numel(shape)} bytes; "
+                                  f"the limit is {max_bytes}")
+        return frame_codec.check_header(enc, shape)
     itemsize = torch.empty((), dtype=_DTYPES[enc.dtype]).element_size()
     # Every dimension counts, zero-sized ones as 1: an empty tensor whose other
     # dimensions multiply beyond the limit is refused too (torch would compute its
@@ -480,13 +492,18 @@ def _checked_shape(enc: EncodedTensor) -> List[int]:
     return shape
 
 
-def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+def decode(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES, frames: bool = False) -> torch.Tensor:
     """Decode an :class:`EncodedTensor` into a new, writable CPU tensor.
 
     Raises :class:`CodecError` (with the reason) for anything inconsistent, and
-    :class:`PayloadTooLarge` for payloads above ``max_bytes``."""
+    :class:`PayloadTooLarge` for payloads above ``max_bytes``. A camera frame's lossy
+    codec (``jpeg``) is refused unless ``frames``."""
     check_header(enc, max_bytes)
     shape = _checked_shape(enc)
+    if enc.codec in frame_codec.FRAME_CODECS:
+        if not frames:
+            raise CodecError(f"tensor {enc.name!r}: {enc.codec} is accepted for camera frames only")
+        return frame_codec.decode(enc, shape)
     numel = _numel(shape)
     expected = _payload_size(shape, enc.dtype, enc.codec)
     payload = bytes(enc.data)

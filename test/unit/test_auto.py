@@ -386,3 +386,32 @@ def test_auto_runs_the_schedules_the_clients_lop_solved(shared_server, tmp_path)
         assert_same_up_to_summation_order(y, ref, stats.plan)
     finally:
         client.close()
+
+
+def test_with_jpeg_frames_the_image_is_costed_at_the_jpegs_bytes(shared_server, tmp_path):
+    """input_jpeg_quality: before any image offload, auto costs the image's upload at its
+    JPEG's bytes (encoded once to know), not at the frame's; the first offload's measured
+    bytes then take over."""
+    from robot_offload import frame_codec
+    from robot_offload.camera import natural_image
+    frame = natural_image(96, 96, seed=9)
+    jpeg_bytes = frame_codec.encode(frame, "frame", 90).nbytes
+    assert jpeg_bytes < frame.nbytes / 2
+    lossy = _client(shared_server, "resnet18", str(tmp_path), input_jpeg_quality=90)
+    lossless = _client(shared_server, "resnet18", str(tmp_path))
+    try:
+        assert lossy._get_backend("auto")._upload_bytes(frame) == pytest.approx(jpeg_bytes)
+        assert lossless._get_backend("auto")._upload_bytes(frame) == frame.nbytes
+        lossy.predicted_bandwidth_bps = 1e12
+        auto = lossy._get_backend("auto")
+        y, stats = lossy.process(frame)           # no profile yet: the image goes
+        assert stats.extra["auto"]["candidate"] == IMAGE, stats.extra["auto"]
+        assert stats.plan == "auto:full_offload_image input=frame jpeg q90", stats.plan
+        assert stats.bytes_up == jpeg_bytes and stats.extra["lossy_input"]["quality"] == 90
+        assert auto._upload_bytes(frame) == pytest.approx(jpeg_bytes)
+    finally:
+        for c in (lossy, lossless):
+            backend = c._get_backend("auto")
+            for t in list(backend._preparing.values()):
+                t.join(120)
+            c.close()

@@ -242,3 +242,31 @@ def test_physical_limit_of_full_offload_frames():
     assert "latency / limit 1.78 (min 1.33)" in line
     rows[0]["latency_s"] = 0.100                      # faster than its input can travel
     assert physical_limit_check(rows, traces)[0].startswith("FAIL")
+
+
+def test_the_runs_client_settings_reach_the_client_as_a_parameter_file(tmp_path):
+    """--objective, --no-hedge and --input-jpeg-quality become a client parameter file the
+    client validates; a run with the defaults passes none."""
+    import yaml
+    from robot_offload.bench.runner import BenchConfig, BenchRunner
+    from robot_offload.client import ClientConfig
+    base = dict(models=["resnet18"], modes=["full_offload"], traces=["const:10"], out_dir=str(tmp_path))
+    assert BenchRunner(BenchConfig(**base))._client_config() is None
+    path = BenchRunner(BenchConfig(**base, objective="energy", hedge=False,
+                                   input_jpeg_quality=90))._client_config()
+    with open(path) as f:
+        params = yaml.safe_load(f)
+    assert params == {"objective": "energy", "hedge": False, "input_jpeg_quality": 90}
+    ClientConfig(model="resnet18", **params).validate()
+
+
+def test_the_lossy_input_table_measures_bytes_and_output_error():
+    """bench.lossy_input: JPEG frames smaller than the frame, with an output error above
+    0 that grows as the quality falls."""
+    from robot_offload.bench.lossy_input import measure, table
+    rows = measure("resnet18", [50, 95], frames=3, width=48, height=48, input_size=(32, 32))
+    low, high = rows
+    assert low["ratio"] > high["ratio"] > 1
+    assert low["error_median"] > high["error_median"] > 0
+    assert 0 <= low["top1"] <= 3
+    assert "| resnet18 | 95 |" in table(rows)

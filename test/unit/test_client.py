@@ -183,6 +183,86 @@ def test_a_server_without_the_frame_entry_gets_the_tensor_not_every_frame_local(
         c.close()
 
 
+def test_jpeg_frames_are_asked_for_lossy_and_say_so(shared_server):
+    """input_jpeg_quality: full_offload sends the frame as JPEG, and the output is the
+    model's on the decoded pixels, not on the frame; the stats say it was lossy. Off (the
+    default), the same frame gives local's output exactly."""
+    from robot_offload import codec, frame_codec
+    from robot_offload.camera import natural_image
+    frame = natural_image(48, 48, seed=5)
+    jpeg = _client(shared_server, input_jpeg_quality=90, timeout_s=30.0)
+    exact = _client(shared_server, timeout_s=30.0)
+    try:
+        assert jpeg.connect() and exact.connect()
+        y, stats = jpeg.process(frame)
+        assert stats.executed_mode == "full_offload" and not stats.fallback_reason
+        assert stats.plan == "input=frame jpeg q90" and stats.round_trips == 1
+        assert stats.extra["lossy_input"] == {"codec": "jpeg", "quality": 90, "frame_bytes": frame.nbytes}
+        assert 0 < stats.bytes_up < frame.nbytes / 2
+        pixels = codec.decode(frame_codec.encode(frame, "frame", 90), frames=True).numpy()
+        with torch.inference_mode():
+            assert_same_as_local(y, jpeg.model(jpeg.preprocess(pixels)), rtol=0, atol=0)
+            on_frame = exact.model(exact.preprocess(frame))
+        assert not torch.equal(y, on_frame)
+        y_exact, stats = exact.process(frame)
+        assert stats.plan == "input=frame uint8/none" and "lossy_input" not in stats.extra
+        assert_same_as_local(y_exact, on_frame, rtol=0, atol=0)
+    finally:
+        jpeg.close()
+        exact.close()
+
+
+def test_a_camera_frame_larger_than_the_model_input_goes_as_jpeg_when_that_is_smaller(shared_server):
+    """A 640 x 480 camera (921 KB) and a 224² model input (602 KB as float32): lossless,
+    the preprocessed input goes; with JPEG asked for, the JPEG (a fraction of either). At a
+    32² input (12 KB) the input is smaller than the JPEG too, and goes."""
+    from robot_offload.camera import natural_image
+    frame = natural_image(480, 640, seed=8)
+    for input_size, jpeg_goes in (((224, 224), True), ((32, 32), False)):
+        for quality in (0, 90):
+            c = _client(shared_server, input_jpeg_quality=quality, timeout_s=60.0, input_size=input_size)
+            try:
+                assert c.connect()
+                _, stats = c.process(frame)
+                assert stats.executed_mode == "full_offload" and not stats.fallback_reason
+                if quality and jpeg_goes:
+                    assert stats.plan == "input=frame jpeg q90" and stats.bytes_up < 602_112 / 2, stats
+                else:
+                    assert stats.plan == "input=tensor raw/none", (input_size, quality, stats.plan)
+                    why = stats.extra["full_offload"]["tensor_because"]
+                    assert why.endswith("its JPEG" if quality else "than the frame"), why
+            finally:
+                c.close()
+
+
+def test_a_server_that_refuses_jpeg_frames_gets_lossless_ones_within_the_frame():
+    """A server that takes no JPEG frames (jpeg_frames: false, or an older release)
+    answers BAD_REQUEST: the frame goes up again lossless within the same frame, and later
+    frames to that server go lossless at once."""
+    from robot_offload.camera import natural_image
+    strict = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE, jpeg_frames=False))
+    c = _client(strict, input_jpeg_quality=80, timeout_s=30.0)
+    frame = natural_image(48, 48, seed=6)
+    try:
+        assert c.connect()
+        y, stats = c.process(frame)
+        assert stats.executed_mode == "full_offload" and not stats.fallback_reason
+        assert stats.plan == "input=frame uint8/none" and stats.round_trips == 2
+        with torch.inference_mode():
+            assert_same_as_local(y, c.model(c.preprocess(frame)), rtol=0, atol=0)
+        _, stats = c.process(frame)
+        assert stats.plan == "input=frame uint8/none" and stats.round_trips == 1
+        assert "jpeg_frames: false" in c._get_backend("full_offload")._no_jpeg[c.link.server_id]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("quality", [-1, 96, 100])
+def test_a_jpeg_quality_outside_the_range_is_refused(quality):
+    with pytest.raises(ConfigError, match="input_jpeg_quality"):
+        ClientConfig(model="resnet18", input_jpeg_quality=quality).validate()
+
+
 @pytest.mark.parametrize("shape", [(32, 32, 3), (80, 80, 3)])
 def test_a_fallback_preprocesses_the_frame_once(shared_server, monkeypatch, shape):
     """The server misses the deadline: the frame runs locally, preprocessed on the robot

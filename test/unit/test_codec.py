@@ -100,7 +100,8 @@ def _valid():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("codec", "jpeg", "unknown codec"),
+    ("codec", "webp", "unknown codec"),
+    ("codec", "jpeg", "a jpeg frame is uint8"),
     ("compression", "gzip", "unknown compression"),
     ("dtype", "complex64", "unknown dtype"),
     ("shape", [2, 4], "does not match"),

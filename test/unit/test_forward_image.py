@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from robot_offload import codec
+from robot_offload import codec, frame_codec
+from robot_offload.camera import natural_image
 from robot_offload.codec import EncodedTensor
 from robot_offload.models import MAX_FRAME_SIDE, get_spec, preprocess_image, preprocess_image_tensor
 from robot_offload.protocol import ComputeRequest, LoadModelRequest, StatusCode
@@ -72,8 +73,8 @@ def test_the_robot_and_the_server_preprocess_with_one_function():
 BAD = {
     "two frames": (dict(tensors=2), StatusCode.BAD_REQUEST, "1 uint8 frame"),
     "no frame": (dict(tensors=0), StatusCode.BAD_REQUEST, "1 uint8 frame"),
-    "float frame": (dict(frame=codec.encode(torch.zeros(8, 8, 3))), StatusCode.BAD_REQUEST, "raw uint8"),
-    "lossy frame": (dict(frame=codec.encode(torch.zeros(8, 8, 3), codec="int8")), StatusCode.BAD_REQUEST, "raw uint8"),
+    "float frame": (dict(frame=codec.encode(torch.zeros(8, 8, 3))), StatusCode.BAD_REQUEST, "a uint8 frame, raw or jpeg"),
+    "lossy frame": (dict(frame=codec.encode(torch.zeros(8, 8, 3), codec="int8")), StatusCode.BAD_REQUEST, "a uint8 frame, raw or jpeg"),
     "batched": (dict(frame=_enc(_frame((1, 8, 8, 3)))), StatusCode.BAD_REQUEST, "[H, W, 3]"),
     "channels first": (dict(frame=_enc(_frame((3, 8, 8)))), StatusCode.BAD_REQUEST, "[H, W, 3]"),
     "two channels": (dict(frame=_enc(_frame((8, 8, 2)))), StatusCode.BAD_REQUEST, "[H, W, 3]"),
@@ -110,3 +111,37 @@ def test_bad_frame_requests_are_refused_with_a_clear_status(server, name):
     assert r.status == code and fragment in r.status_text, (r.status, r.status_text)
     assert r.tensors == []
     assert _compute(server, [_enc(_frame((16, 16, 3)))]).status == StatusCode.OK   # still serving
+
+
+def test_a_jpeg_frame_gives_what_the_model_computes_from_the_decoded_stream(server):
+    """A JPEG frame (the robot asked for lossy frames) is decoded on the server and run as
+    the decoded pixels would be on the robot: the output is the model's on exactly those
+    pixels, and differs from the output on the original frame (what JPEG loses)."""
+    frame = natural_image(48, 64, seed=11)
+    enc = frame_codec.encode(frame, "frame", 85)
+    r = _compute(server, [enc])
+    assert r.status == StatusCode.OK, r.status_text
+    assert json.loads(r.result_json)["frame_shape"] == [48, 64, 3]
+    spec = get_spec("resnet18")
+    model = server.load("resnet18").module
+    pixels = codec.decode(enc, frames=True).numpy()
+    with torch.inference_mode():
+        on_pixels = model(preprocess_image(pixels, (32, 32), spec.mean, spec.std).to(SERVER_DEVICE)).cpu()
+        on_frame = model(preprocess_image(frame, (32, 32), spec.mean, spec.std).to(SERVER_DEVICE)).cpu()
+    got = codec.decode(r.tensors[0])
+    assert_same_as_local(got, on_pixels, rtol=0, atol=0)
+    assert not torch.equal(got, on_frame)
+
+
+def test_jpeg_is_refused_by_every_entry_but_the_frames(server):
+    enc = frame_codec.encode(natural_image(32, 32, seed=2), "x", 90)
+    r = server.handle("compute", ComputeRequest("t", "resnet18", "forward", [enc]))
+    assert r.status == StatusCode.BAD_REQUEST and "camera frames only" in r.status_text, r.status_text
+
+
+@pytest.mark.parametrize("data", [b"\xff\xd8\xff" + bytes(range(256)) * 8, b"\0" * 3000])
+def test_a_crafted_jpeg_frame_is_refused_and_the_server_goes_on(server, data):
+    enc = EncodedTensor("frame", "uint8", [32, 32, 3], codec="jpeg", scale=90.0, raw_size=3072, data=data)
+    r = _compute(server, [enc])
+    assert r.status == StatusCode.BAD_REQUEST and r.tensors == [], (r.status, r.status_text)
+    assert _compute(server, [_enc(_frame((16, 16, 3)))]).status == StatusCode.OK

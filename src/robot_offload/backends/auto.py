@@ -8,7 +8,8 @@ Two kinds of candidate:
   with ``layer_partition`` and ``lop`` of the same client, see
   :class:`~robot_offload.backends.layer_partition.PartitionKnowledge`);
 * for image models fed camera frames, ``full_offload`` of the camera image itself (uint8,
-  preprocessing on the server): a quarter of the float tensor's bytes.
+  preprocessing on the server): a quarter of the float tensor's bytes; as JPEG when the
+  user asked for lossy frames (``input_jpeg_quality``), its bytes then the JPEG's.
 
 Both are predicted with the one cost model (:mod:`robot_offload.partition.cost`:
 the image's bytes up, the outputs' bytes down, the server time its frames measured), each
@@ -34,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
-from robot_offload import background
+from robot_offload import background, frame_codec
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.backends.full_offload import FullOffloadBackend
 from robot_offload.backends.local import LocalBackend
@@ -132,7 +133,8 @@ class AutoBackend(Backend):
         self.local = LocalBackend(ctx)
         self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
         self.errors = PredictionErrors()
-        self._up_ratio = 1.0    # bytes sent / image bytes of the last image offload (compression)
+        # bytes sent / image bytes of the last image offload (compression); None: none yet
+        self._up_ratio: Optional[float] = None
         self._preparing: Dict[tuple, threading.Thread] = {}   # shape -> its background preparation
         self._prepare_failed: set = set()                      # shapes whose preparation failed (logged)
 
@@ -213,7 +215,7 @@ class AutoBackend(Backend):
         itself, as a frame that cannot be offloaded must wait for them."""
         shape = self._shape()
         bw = self.lop.frame_bandwidth(stats)
-        upload_s = 8.0 * frame.nbytes / bw
+        upload_s = 8.0 * self._upload_bytes(frame) / bw
         st = self.lop._states.get(shape)        # made before the schedules are solved
         if shape not in self._prepare_failed and (
                 st is not None or upload_s <= self.prepare_upload_share * timeout_s):
@@ -323,8 +325,20 @@ class AutoBackend(Backend):
         (times the compression the last ones got), the server's whole forward (as the last
         full offload measured it, else the profile's estimate), the outputs back."""
         p = predict_cut(st.profile, self._input_cut(st), encoding_key("raw", "none"), bw, st.cfg,
-                        up_bytes=frame.nbytes * self._up_ratio)
+                        up_bytes=self._upload_bytes(frame))
         return _Option(IMAGE, p.latency_s, p.energy_j, kind=IMAGE, raw_latency_s=p.latency_s)
+
+    def _upload_bytes(self, frame) -> float:
+        """The bytes the image's offload sends: the frame's times the ratio the last one
+        got; before any, the frame's, or with ``input_jpeg_quality`` its JPEG's (encoded
+        once to know)."""
+        if self._up_ratio is None:
+            quality = self.ctx.config.input_jpeg_quality
+            if not quality or not frame_codec.encodable(frame) or not frame.nbytes:
+                return float(frame.nbytes)
+            enc = frame_codec.encode(frame, "frame", quality)
+            self._up_ratio = 1.0 if enc is None else enc.nbytes / frame.nbytes
+        return frame.nbytes * self._up_ratio
 
     @staticmethod
     def _input_cut(st):

@@ -13,6 +13,12 @@ server without ``forward_image`` (an older release of the same protocol: it answ
 UNKNOWN_ENTRY, and the client remembers that server). ``stats.plan`` says which
 (``input=frame uint8/zstd``, ``input=tensor raw/none``).
 
+With ``input_jpeg_quality`` set (off by default) the frame goes up as JPEG instead, when
+that is smaller (:mod:`robot_offload.frame_codec`): lossy, so the outputs are no longer
+``local``'s; ``plan`` says ``input=frame jpeg q90`` and ``detail_json`` ``lossy_input``.
+A server that refuses JPEG frames (an older release) gets the lossless frame, and the
+client remembers it.
+
 With one server, a call later than the client's recent round trips is hedged by the robot
 computing the frame too (:mod:`robot_offload.local_hedge`).
 """
@@ -24,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from robot_offload import codec, structure
+from robot_offload import codec, frame_codec, structure
 from robot_offload.backends.base import Backend, register_backend
 from robot_offload.errors import RemoteError
 from robot_offload.local_hedge import computed_here
@@ -50,6 +56,9 @@ class FullOffloadBackend(Backend):
         self._no_frames = {}
         # (server_id, frame shape) refused as too large by that server
         self._refused_shapes = set()
+        # server_id -> why that server takes no JPEG frames
+        self._no_jpeg = {}
+        self._warned_lossy = False
 
     def infer(self, x, stats, timeout_s):
         cfg = self.ctx.config
@@ -65,17 +74,27 @@ class FullOffloadBackend(Backend):
         why = self.frame_refusal(frame)
         if why:
             return self._tensor_instead(frame, stats, timeout_s, why)
-        cfg = self.ctx.config
         t0 = time.perf_counter()
-        # a read-only frame (a ROS message's buffer) is copied rather than shared with torch
-        data = frame if frame.flags.c_contiguous and frame.flags.writeable else np.array(frame, order="C")
-        enc = codec.encode(torch.from_numpy(data), "frame", "raw", cfg.compression)
+        enc = self._jpeg(frame)
+        if enc is None and self._input_bytes() < frame.nbytes:      # (with JPEG asked for only)
+            return self._tensor_instead(frame, stats, timeout_s - (time.perf_counter() - t0),
+                                        f"the {self.ctx.config.codec} model input is smaller than "
+                                        "the frame and its JPEG")
+        enc = enc or self._lossless(frame)
         args = json.dumps({"input_size": [int(s) for s in self.ctx.input_size]})
         t1 = time.perf_counter()
         try:
             outputs = self._call(FRAME_ENTRY, enc, args, stats, t0, t1, timeout_s,
                                  lambda: self.ctx.preprocess(frame, stats))
         except RemoteError as e:
+            if enc.codec == frame_codec.JPEG and e.code == StatusCode.BAD_REQUEST:
+                self._no_jpeg[self.ctx.link.server_id] = e.text
+                log.warning("the offload server refuses JPEG frames (%s): full_offload sends it "
+                            "lossless frames", e.text[:200])
+                t2 = time.perf_counter()
+                stats.add_compute(t0, t1)
+                stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
+                return self.infer_frame(frame, stats, timeout_s - (t2 - t0))
             if e.code == StatusCode.UNKNOWN_ENTRY:
                 self._no_frames[self.ctx.link.server_id] = e.text
                 log.warning("the offload server has no %s entry (an older release): full_offload "
@@ -92,8 +111,34 @@ class FullOffloadBackend(Backend):
             stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
             return self._tensor_instead(frame, stats, timeout_s - (t2 - t1),
                                         f"the server refused the frame: {e}")
-        stats.plan = f"input=frame uint8/{enc.compression}"
+        if enc.codec == frame_codec.JPEG:
+            quality = int(enc.scale)
+            stats.plan = f"input=frame jpeg q{quality}"
+            stats.extra["lossy_input"] = {"codec": enc.codec, "quality": quality,
+                                          "frame_bytes": int(enc.raw_size)}
+        else:
+            stats.plan = f"input=frame uint8/{enc.compression}"
         return outputs
+
+    def _lossless(self, frame):
+        # a read-only frame (a ROS message's buffer) is copied rather than shared with torch
+        data = frame if frame.flags.c_contiguous and frame.flags.writeable else np.array(frame, order="C")
+        return codec.encode(torch.from_numpy(data), "frame", "raw", self.ctx.config.compression)
+
+    def _jpeg(self, frame):
+        """The frame as JPEG when asked for (``input_jpeg_quality``), the server takes it
+        and it is smaller than the frame and than the model input; else None."""
+        quality = self._jpeg_quality(frame)
+        if not quality:
+            return None
+        enc = frame_codec.encode(frame, "frame", quality)
+        if enc is not None and enc.nbytes >= self._input_bytes():
+            enc = None
+        if enc is not None and not self._warned_lossy:
+            self._warned_lossy = True
+            log.warning("full_offload sends camera frames as JPEG (quality %d): lossy, its outputs "
+                        "differ from local's", quality)
+        return enc
 
     def frame_refusal(self, frame) -> str:
         """Why ``frame`` goes up as the preprocessed tensor rather than as it is ("" when
@@ -108,10 +153,21 @@ class FullOffloadBackend(Backend):
             return "the server refused frames of this size as too large"
         if max(frame.shape[:2]) > MAX_FRAME_SIDE:
             return f"a frame side above {MAX_FRAME_SIDE} px"
-        cfg = self.ctx.config
-        if codec.payload_size([1, 3, *self.ctx.input_size], "float32", cfg.codec) < frame.nbytes:
-            return f"the {cfg.codec} model input is smaller than the frame"
+        if self._jpeg_quality(frame):
+            return ""       # the JPEG is compared with the model input once encoded
+        if self._input_bytes() < frame.nbytes:
+            return f"the {self.ctx.config.codec} model input is smaller than the frame"
         return ""
+
+    def _input_bytes(self) -> int:
+        return codec.payload_size([1, 3, *self.ctx.input_size], "float32", self.ctx.config.codec)
+
+    def _jpeg_quality(self, frame) -> int:
+        """The JPEG quality ``frame`` goes at to this server; 0: it goes lossless."""
+        quality = self.ctx.config.input_jpeg_quality
+        if not quality or self.ctx.link.server_id in self._no_jpeg or not frame_codec.encodable(frame):
+            return 0
+        return quality
 
     def _tensor_instead(self, frame, stats, timeout_s, why):
         x = self.ctx.preprocess(frame, stats)

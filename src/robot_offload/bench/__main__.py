@@ -48,6 +48,9 @@ def main(argv=None):
                     help="what the client's plans and auto minimise (its objective parameter)")
     ap.add_argument("--no-hedge", action="store_true",
                     help="the client hedges no late call (its hedge parameter false)")
+    ap.add_argument("--input-jpeg-quality", type=int, default=0, metavar="Q",
+                    help="the client sends camera frames as JPEG of quality Q (lossy; its "
+                         "input_jpeg_quality parameter); 0 = off")
     ap.add_argument("--input-size", action="append", default=[], metavar="MODEL=H,W",
                     help="override a model's input size, e.g. kapao_l=640,640")
     ap.add_argument("--loopback", action="store_true", help="skip namespaces: unshaped loopback")
@@ -126,6 +129,7 @@ def main(argv=None):
                       frames_source=args.frames_source, camera_size=camera_size, min_span_s=args.min_span_s,
                       max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
                       objective=args.objective, hedge=not args.no_hedge,
+                      input_jpeg_quality=args.input_jpeg_quality,
                       **profile)
     runner = BenchRunner(cfg)
     t0 = time.monotonic()

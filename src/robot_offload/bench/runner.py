@@ -71,6 +71,7 @@ class BenchConfig:
     camera_size: Tuple[int, int] = (640, 480)   # image frames' width and height (px)
     objective: str = "latency"       # the client's objective parameter (latency | energy)
     hedge: bool = True               # the client's hedge parameter (a late call hedged)
+    input_jpeg_quality: int = 0      # the client's input_jpeg_quality (frames as JPEG; 0 = off)
 
     @property
     def pairs_traces(self) -> bool:
@@ -157,12 +158,14 @@ class BenchRunner:
 
     def _client_config(self) -> Optional[str]:
         """A client parameter file (loaded over config/client.yaml) setting what the run
-        sets apart from the defaults (the objective, hedging), or None."""
+        sets apart from the defaults (the objective, hedging, JPEG frames), or None."""
         params = {}
         if self.cfg.objective != "latency":
             params["objective"] = self.cfg.objective
         if not self.cfg.hedge:
             params["hedge"] = "false"
+        if self.cfg.input_jpeg_quality:
+            params["input_jpeg_quality"] = int(self.cfg.input_jpeg_quality)
         if not params:
             return None
         path = os.path.abspath(os.path.join(self.log_dir, "client-params.yaml"))
@@ -199,6 +202,9 @@ class BenchRunner:
                                   "layer_partition and lop, and auto's choice, minimise)")
             if not cfg.hedge:
                 self.notes.append("hedging off (hedge: false): no late call is hedged")
+            if cfg.input_jpeg_quality:
+                self.notes.append(f"camera frames offloaded as JPEG (input_jpeg_quality: "
+                                  f"{cfg.input_jpeg_quality}): lossy, accuracy in bench.lossy_input")
             if cfg.settle_s > 0:
                 self.notes.append(f"{1e3 * cfg.settle_s:g} ms of idle before every frame "
                                   "(the robot's CPU quota refilled)")

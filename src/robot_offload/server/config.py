@@ -29,6 +29,7 @@ class ServerConfig:
     auth_max_skew_s: float = auth.DEFAULT_MAX_SKEW_S  # with a secret: token age / clock difference (s)
     weights_dir: str = ""                # optional: <weights_dir>/<model>.pt|.safetensors
     transparent: bool = True             # accept per-operator sessions (transparent, record_replay)
+    jpeg_frames: bool = True             # decode camera frames robots send as JPEG (robot_offload.frame_codec)
     max_session_mib: int = 2048          # tensors one transparent session may hold (MiB; XML-RPC ints are 32-bit)
     max_sessions: int = 64               # transparent sessions in all (a new one past it: BUSY)
     max_sessions_per_client: int = 4     # per client identity (its least recently used is dropped)

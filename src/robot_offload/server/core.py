@@ -349,11 +349,12 @@ class OffloadServer:
                 return path
         return None
 
-    def decode_inputs(self, req: ComputeRequest):
-        """Decode the request's tensors onto the server's device, enforcing the limits."""
+    def decode_inputs(self, req: ComputeRequest, frames: bool = False):
+        """Decode the request's tensors onto the server's device, enforcing the limits;
+        ``frames``: camera frames, which may come as JPEG (:mod:`robot_offload.frame_codec`)."""
         out = []
         for enc in req.tensors:
-            t = codec.decode(enc, max_bytes=self.config.max_request_bytes)
+            t = codec.decode(enc, max_bytes=self.config.max_request_bytes, frames=frames)
             if t.numel() > self.config.max_input_elements:
                 raise RequestRejected(StatusCode.TOO_LARGE, f"tensor {enc.name!r} has {t.numel()} "
                                       f"elements; max_input_elements is {self.config.max_input_elements}")

@@ -2,8 +2,9 @@
 here with the registry's own function and run through the whole model (``full_offload``
 of an image model).
 
-Request: one raw (``codec`` raw, any compression) uint8 tensor of shape ``[H, W, 3]``
-(RGB), ``[H, W]`` (grey) or ``[H, W, 4]`` (the fourth channel is dropped), H and W each
+Request: one uint8 tensor, raw (any compression) or a JPEG stream
+(:mod:`robot_offload.frame_codec`, lossy: the robot asked for it), of shape ``[H, W, 3]``
+(RGB), ``[H, W]`` (grey) or, raw only, ``[H, W, 4]`` (the fourth channel is dropped), H and W each
 in 1..:data:`~robot_offload.models.registry.MAX_FRAME_SIDE` and H x W x C at most the
 server's ``max_input_elements``; ``args_json`` ``{"input_size": [h, w]}``, the model input
 size the client preprocesses to, h and w in 1..MAX_FRAME_SIDE and 3 x h x w at most
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from robot_offload.frame_codec import FRAME_CODECS
 from robot_offload.models import MAX_FRAME_SIDE, get_spec, preprocess_image_tensor
 from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 from robot_offload.server.base import Executor, LoadedModel, RequestRejected, bad_request
@@ -46,8 +48,11 @@ class ForwardImageExecutor(Executor):
             raise bad_request(f"{ENTRY} takes 1 uint8 frame, got {len(req.tensors)} tensors")
         max_elements = server.config.max_input_elements
         self._check_frame(req.tensors[0], max_elements)
+        if req.tensors[0].codec in FRAME_CODECS and not server.config.jpeg_frames:
+            raise bad_request(f"{ENTRY}: this server takes no JPEG frames (jpeg_frames: false); "
+                              "send the frame raw")
         size = self._input_size(req.args_json, max_elements)
-        (frame,) = server.decode_inputs(req)
+        (frame,) = server.decode_inputs(req, frames=True)
         with torch.inference_mode():
             return preprocess_image_tensor(frame, size, spec.mean, spec.std)
 
@@ -70,8 +75,9 @@ class ForwardImageExecutor(Executor):
     def _check_frame(enc, max_elements: int) -> list:
         """The frame's shape, from its (already well-formed) header; refused unless it is
         an image within the bounds."""
-        if enc.dtype != "uint8" or enc.codec != "raw":
-            raise bad_request(f"{ENTRY} takes a raw uint8 frame, got {enc.dtype[:20]}/{enc.codec[:20]}")
+        if enc.dtype != "uint8" or enc.codec not in ("raw",) + FRAME_CODECS:
+            raise bad_request(f"{ENTRY} takes a uint8 frame, raw or {'/'.join(FRAME_CODECS)}, got "
+                              f"{enc.dtype[:20]}/{enc.codec[:20]}")
         shape = [int(s) for s in enc.shape]
         if len(shape) not in (2, 3) or (len(shape) == 3 and shape[2] not in (3, 4)):
             raise bad_request(f"{ENTRY} takes an [H, W, 3], [H, W] or [H, W, 4] frame, got {shape}")
