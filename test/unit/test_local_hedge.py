@@ -77,6 +77,28 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
         client.close()
 
 
+def test_a_jpeg_frame_the_robot_answered_is_not_labelled_lossy(shared_server):
+    """With JPEG frames asked for, a late call answered by the robot's hedge returns the
+    robot's exact outputs: the frame is not labelled lossy, while the offloaded ones are."""
+    from robot_offload.camera import natural_image
+    client, link = _client(shared_server, link_s=0.3, input_jpeg_quality=90)
+    try:
+        for k in range(MIN_SAMPLES + 4):
+            _, stats = client.process(natural_image(64, 64, seed=k))
+            if stats.executed_mode == "full_offload":
+                assert stats.extra["lossy_input"]["quality"] == 90, stats.plan
+        frame = natural_image(64, 64, seed=99)
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        link.late_s, link.late = 3.0, 1
+        y, stats = client.process(frame)
+        assert stats.executed_mode == "local" and stats.extra["hedge"]["won"] == "local", stats.extra
+        assert "lossy_input" not in stats.extra
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    finally:
+        client.close()
+
+
 def test_a_server_answering_first_stops_the_robots_forward(shared_server):
     client, link = _client(shared_server, link_s=0.3)
     try:

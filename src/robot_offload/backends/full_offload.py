@@ -16,8 +16,8 @@ UNKNOWN_ENTRY, and the client remembers that server). ``stats.plan`` says which
 With ``input_jpeg_quality`` set (off by default) the frame goes up as JPEG instead, when
 that is smaller (:mod:`robot_offload.frame_codec`): lossy, so the outputs are no longer
 ``local``'s; ``plan`` says ``input=frame jpeg q90`` and ``detail_json`` ``lossy_input``.
-A server that refuses JPEG frames (an older release) gets the lossless frame, and the
-client remembers it.
+A server that refuses JPEG frames (``jpeg_frames: false``, an older release) gets the
+lossless frame, and the client remembers it. A frame the robot's hedge answered is exact.
 
 With one server, a call later than the client's recent round trips is hedged by the robot
 computing the frame too (:mod:`robot_offload.local_hedge`).
@@ -114,8 +114,9 @@ class FullOffloadBackend(Backend):
         if enc.codec == frame_codec.JPEG:
             quality = int(enc.scale)
             stats.plan = f"input=frame jpeg q{quality}"
-            stats.extra["lossy_input"] = {"codec": enc.codec, "quality": quality,
-                                          "frame_bytes": int(enc.raw_size)}
+            if stats.executed_mode != "local":      # not the robot's own (exact) answer to a hedge
+                stats.extra["lossy_input"] = {"codec": enc.codec, "quality": quality,
+                                              "frame_bytes": int(enc.raw_size)}
         else:
             stats.plan = f"input=frame uint8/{enc.compression}"
         return outputs
