@@ -108,7 +108,10 @@ def decode(enc, shape: List[int]) -> torch.Tensor:
         raise CodecError(f"tensor {enc.name!r}: not a JPEG stream")
     image = _pil()
     try:
-        img = image.open(io.BytesIO(data), formats=["JPEG"])
+        try:
+            img = image.open(io.BytesIO(data), formats=["JPEG"])
+        except TypeError:       # Pillow before 8.0 (Ubuntu 20.04's 7.0): only JPEG's reader
+            img = image.open(io.BytesIO(data))    # accepts a stream starting with the marker
     except Exception as e:      # Pillow raises UnidentifiedImageError, SyntaxError, OSError...
         raise CodecError(f"tensor {enc.name!r}: unreadable JPEG header: {str(e)[:200]}") from None
     try:

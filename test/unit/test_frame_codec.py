@@ -155,3 +155,19 @@ def test_a_mutated_stream_decodes_to_the_declared_shape_or_is_refused(edits, kee
     except CodecError:
         return
     assert frame.dtype == torch.uint8 and list(frame.shape) == [48, 64, 3]
+
+
+def test_a_pillow_without_the_formats_argument_still_decodes_and_refuses(monkeypatch):
+    """Pillow before 8.0 (Ubuntu 20.04's server) has no ``formats``: the stream is opened
+    without it, and the same checks decide."""
+    real = Image.open
+
+    def old_open(fp, mode="r", **kw):
+        if kw:
+            raise TypeError("open() got an unexpected keyword argument 'formats'")
+        return real(fp, mode)
+    monkeypatch.setattr(Image, "open", old_open)
+    frame = codec.decode(_enc(_GOOD, (48, 64, 3)), frames=True)
+    assert list(frame.shape) == [48, 64, 3]
+    with pytest.raises(CodecError, match="header says"):
+        codec.decode(_enc(_GOOD, (96, 128, 3)), frames=True)
