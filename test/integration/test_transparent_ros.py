@@ -29,7 +29,8 @@ def test_launcher_runs_unmodified_program_against_server_node(launch, tmp_path):
     subprocess.run([sys.executable, PROGRAM, "--out", str(plain), "--frames", "6"], check=True, timeout=300,
                    capture_output=True)
     out, stats_path = tmp_path / "rr.npz", tmp_path / "rr.json"
-    proc = subprocess.run(["rosrun", "robot_offload", "transparent", "--stats-out", str(stats_path), "--",
+    proc = subprocess.run(["rosrun", "robot_offload", "transparent", "--mode", "record_replay",
+                           "--stats-out", str(stats_path), "--",
                            "python", PROGRAM, "--out", str(out), "--frames", "6"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
