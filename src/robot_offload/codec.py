@@ -424,7 +424,7 @@ def check_header(enc: EncodedTensor, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
         raise CodecError(f"tensor {enc.name!r}: raw_size and zero_point must be integers "
                          f"and scale a number") from None
     if enc.codec in frame_codec.FRAME_CODECS:
-        if float(enc.scale) != float(enc.scale) or enc.zero_point != 0:
+        if math.isnan(float(enc.scale)) or enc.zero_point != 0:
             raise CodecError(f"tensor {enc.name!r}: a {enc.codec} frame has zero_point 0 and a number as scale")
         if _numel(shape) > max_bytes:
             raise PayloadTooLarge(f"tensor {enc.name!r}: frame {shape} needs {_numel(shape)} bytes; "

@@ -21,6 +21,7 @@ a truncated or corrupt stream is refused rather than padded.
 """
 
 import io
+import math
 from typing import List
 
 import numpy as np
@@ -92,7 +93,7 @@ def check_header(enc, shape: List[int]) -> int:
         raise CodecError(f"tensor {enc.name!r}: a {JPEG} frame is [H, W, 3] or [H, W], got {shape}")
     if enc.compression != "none":
         raise CodecError(f"tensor {enc.name!r}: a {JPEG} frame is not compressed again, got {enc.compression[:20]}")
-    decoded = int(np.prod(shape))
+    decoded = math.prod(shape)     # Python ints: no overflow whatever the header says
     if enc.raw_size != decoded:
         raise CodecError(f"tensor {enc.name!r}: raw_size must be the frame's {decoded} bytes")
     if not 0 < len(enc.data) < decoded:

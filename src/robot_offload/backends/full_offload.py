@@ -87,15 +87,12 @@ class FullOffloadBackend(Backend):
             outputs = self._call(FRAME_ENTRY, enc, args, stats, t0, t1, timeout_s,
                                  lambda: self.ctx.preprocess(frame, stats))
         except RemoteError as e:
-            if enc.codec == frame_codec.JPEG and e.code == StatusCode.BAD_REQUEST:
+            jpeg_refused = enc.codec == frame_codec.JPEG and e.code == StatusCode.BAD_REQUEST
+            if jpeg_refused:
                 self._no_jpeg[self.ctx.link.server_id] = e.text
                 log.warning("the offload server refuses JPEG frames (%s): full_offload sends it "
                             "lossless frames", e.text[:200])
-                t2 = time.perf_counter()
-                stats.add_compute(t0, t1)
-                stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
-                return self.infer_frame(frame, stats, timeout_s - (t2 - t0))
-            if e.code == StatusCode.UNKNOWN_ENTRY:
+            elif e.code == StatusCode.UNKNOWN_ENTRY:
                 self._no_frames[self.ctx.link.server_id] = e.text
                 log.warning("the offload server has no %s entry (an older release): full_offload "
                             "sends it the preprocessed tensor instead of the camera image", FRAME_ENTRY)
@@ -109,6 +106,8 @@ class FullOffloadBackend(Backend):
             t2 = time.perf_counter()
             stats.add_compute(t0, t1)
             stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
+            if jpeg_refused:
+                return self.infer_frame(frame, stats, timeout_s - (t2 - t0))
             return self._tensor_instead(frame, stats, timeout_s - (t2 - t1),
                                         f"the server refused the frame: {e}")
         if enc.codec == frame_codec.JPEG:
