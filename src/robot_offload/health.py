@@ -308,15 +308,18 @@ def bandwidth_report(*, predicted_bps: Optional[float], measured_bps: Optional[f
                      rtt_s: Optional[float], sample_age_s: Optional[float], uptime_s: float,
                      stale_after_s: float, probing: bool, predictor: str,
                      samples_used: int = 0, samples_ignored: int = 0,
-                     probe_error: str = "") -> Report:
+                     probe_error: str = "", burst_s: Optional[float] = None) -> Report:
     """The bandwidth monitor's estimate and how old its newest measurement is: WARN when
     that is older than ``stale_after_s`` (or, with probes, when none has measured the
-    link that long after start), and when the last probe failed."""
+    link that long after start), and when the last probe failed. ``burst_s``: what the
+    link passes at line rate after an idle moment, as learned (s at its rate)."""
     r = Report(f"{_mbps(predicted_bps)} predicted")
     r.add("predicted", _mbps(predicted_bps)).add("last measured", _mbps(measured_bps))
     r.add("RTT (s)", rtt_s).add("last sample age (s)", sample_age_s)
     r.add("source", "probes and offloaded frames" if probing else "offloaded frames (passive)")
     r.add("predictor", predictor).add("samples used, ignored", f"{samples_used}, {samples_ignored}")
+    if burst_s is not None:
+        r.add("link burst learned (ms at the rate)", round(1e3 * burst_s, 1))
     if probe_error:
         r.add("last probe error", probe_error)
         r.flag(WARN, f"bandwidth probes fail: {probe_error}")

@@ -221,6 +221,8 @@ def test_bandwidth_fresh_stale_and_unmeasured():
     assert never.level == WARN and "no probe has measured the link in 30 s" in never.message
     failing = _bw(probing=True, probe_error="/offload_server/ping did not answer within 2.000 s")
     assert failing.level == WARN and failing.message.startswith("bandwidth probes fail: ")
+    assert fresh.value("link burst learned (ms at the rate)") is None
+    assert _bw(burst_s=0.0175).value("link burst learned (ms at the rate)") == "17.5"
 
 
 def _power(**kw):

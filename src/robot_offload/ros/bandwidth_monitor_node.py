@@ -116,7 +116,8 @@ class BandwidthMonitorNode:
                 rtt_s=e.srtt_s, sample_age_s=None if self.last_sample is None else now - self.last_sample,
                 uptime_s=now - self.started, stale_after_s=self.stale_after_s,
                 probing=self.transport is not None, predictor=e.predictor.name,
-                samples_used=e.used, samples_ignored=e.ignored, probe_error=self.probe_error)
+                samples_used=e.used, samples_ignored=e.ignored, probe_error=self.probe_error,
+                burst_s=e.burst_s)
 
     def spin(self):
         rate = rospy.Rate(self.rate_hz)
