@@ -616,12 +616,11 @@ def best_predictor(traces, predictors=None, metric="mae_bps", horizon_s=0.1):
 PREDICTOR_KINDS = {"kalman": KalmanLevel, "last": LastValue, "ewma": Ewma,
                    "log-ewma": LogEwma, "harmonic": HarmonicMean, "median": MedianOfN,
                    "ar1": Ar1}
-#: What "default" means: ``last``. ``kalman`` has the lower error 100 and 300 ms ahead on
-#: request/reply transfers through the shaped testbed (``python -m
-#: robot_offload.bench.predictors --online``), but the client's own transfers on a fast link
-#: are short and all discounted as bursts: after a step from 5 to 100 Mbit/s the monitor's
-#: ``kalman`` estimate stayed at 7-32 Mbit/s for 30 frames of an interleaved bench run,
-#: while ``last`` reads the step at once (high, by the shaper's bucket).
+#: What "default" means: ``last``. With the link's burst added back to each sample
+#: (:class:`LinkBurst`), ``last`` has the lowest error 100 ms ahead on request/reply
+#: transfers through the shaped testbed on every trace (``python -m
+#: robot_offload.bench.predictors --online``), and it reads a step at once; ``kalman``
+#: smooths samples a step makes look like noise.
 DEFAULT_PREDICTOR = "last"
 
 
