@@ -299,3 +299,40 @@ def test_a_frame_that_is_no_image_is_refused(shared_server):
                 c.process(bad)
     finally:
         c.close()
+
+
+def test_a_refused_frame_goes_again_as_a_tensor_within_what_is_left_of_its_deadline(monkeypatch):
+    """A server that refuses the camera image (TOO_LARGE: above its max_input_elements)
+    gets the model input instead, within the frame's deadline less everything the refused
+    attempt spent, its encoding included."""
+    server = OffloadServer(ServerConfig(ops_sandbox=False, device=SERVER_DEVICE,
+                                        max_input_elements=64 * 64 * 3))
+    c = _client(server, timeout_s=5.0, input_size=(64, 64))
+    backend = c._get_backend("full_offload")
+    lossless = backend._lossless
+
+    def slow_lossless(frame):
+        time.sleep(0.3)
+        return lossless(frame)
+
+    given = []
+    tensor_instead = backend._tensor_instead
+
+    def spy(frame, stats, timeout_s, why):
+        given.append((timeout_s, time.perf_counter() - started[0], why))
+        return tensor_instead(frame, stats, timeout_s, why)
+
+    monkeypatch.setattr(backend, "_lossless", slow_lossless)
+    monkeypatch.setattr(backend, "_tensor_instead", spy)
+    frame = np.random.default_rng(0).integers(0, 255, (100, 100, 3), dtype=np.uint8)
+    started = [0.0]
+    try:
+        assert c.connect()
+        started[0] = time.perf_counter()
+        _, stats = c.process(frame)
+        assert stats.executed_mode == "full_offload" and stats.round_trips == 2, stats
+        (timeout_s, elapsed_s, why), = given
+        assert "refused the frame" in why
+        assert elapsed_s >= 0.3 and timeout_s <= 5.0 - elapsed_s + 0.01, (timeout_s, elapsed_s)
+    finally:
+        c.close()

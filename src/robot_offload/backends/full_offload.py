@@ -102,13 +102,14 @@ class FullOffloadBackend(Backend):
                 self._refused_shapes.add((self.ctx.link.server_id, tuple(frame.shape)))
             else:
                 raise
-            # the refused upload was a round trip of this frame, and so is its deadline
+            # the refused upload (and the encoding before it) was this frame's time, and
+            # so is its deadline
             t2 = time.perf_counter()
             stats.add_compute(t0, t1)
             stats.add_call(t1, t2, 0.0, enc.nbytes, 0)
             if jpeg_refused:
                 return self.infer_frame(frame, stats, timeout_s - (t2 - t0))
-            return self._tensor_instead(frame, stats, timeout_s - (t2 - t1),
+            return self._tensor_instead(frame, stats, timeout_s - (t2 - t0),
                                         f"the server refused the frame: {e}")
         if enc.codec == frame_codec.JPEG:
             quality = int(enc.scale)
