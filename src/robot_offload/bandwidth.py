@@ -355,21 +355,36 @@ class LinkBurst:
     a 600 KB transfer at 50 Mbit/s shows 64 Mbit/s, and on the testbed every rate the
     monitor measured was 1.3-1.7x the rate the trace set.
 
-    Two transfers close in time (``pair_gap_s``) share a rate, so with the right burst
-    ``(d_b + k_b) / (d_a + k_a) = B_b / B_a`` (d: time on the link, k: the credit). Pairs
-    that differ in size or in idle time tell bursts apart; pairs alike in both fit every
-    burst equally. The burst is the :data:`BURST_GRID_S` value whose log residual, summed
-    over the last ``pairs`` pairs, is lowest, each pair's capped at ``cap`` (a pair across
-    a change of rate counts little); ties go to the smallest, so a link without a bucket
-    (or transfers that cannot tell) keeps 0: rates as bytes over time on the link.
+    Two transfers close in time (``pair_gap_s``) share a rate, so with the right burst each
+    one's time on the link follows from the other's: ``d_b = B_b / B_a * (d_a + k_a) - k_b``
+    (d: time on the link, k: the credit). Pairs that differ in size or in idle time tell
+    bursts apart; pairs alike in both fit every burst exactly alike. The burst is the
+    :data:`BURST_GRID_S` value whose residual (both ways, relative to the times measured),
+    summed over the last ``pairs`` pairs that tell (whose residual varies by at least
+    ``informative`` over the grid: a burst learned stays while transfers alike follow) of
+    sizes apart and as many others, is
+    lowest, each pair's capped at ``cap`` (a pair across a change of rate counts little);
+    ties (within 1 %) go to the smallest, so a link without a bucket (or transfers that
+    cannot tell) keeps 0: rates as bytes over time on the link.
     ``min_pairs`` pairs are needed before the first fit."""
 
-    def __init__(self, pairs=32, min_pairs=4, pair_gap_s=0.5, cap=0.5, grid_s=BURST_GRID_S):
-        if not (pairs >= min_pairs >= 1 and pair_gap_s > 0 and cap > 0 and len(grid_s)):
-            raise ValueError("need pairs >= min_pairs >= 1, pair_gap_s > 0, cap > 0, a grid")
+    #: two transfers are of sizes apart when one is at least 1.5x the other
+    SIZES_APART = math.log(1.5)
+
+    def __init__(self, pairs=32, min_pairs=4, pair_gap_s=0.5, cap=0.2, informative=0.05,
+                 grid_s=BURST_GRID_S):
+        if not (pairs >= min_pairs >= 1 and pair_gap_s > 0 and cap > 0 and informative >= 0
+                and len(grid_s)):
+            raise ValueError("need pairs >= min_pairs >= 1, pair_gap_s > 0, cap > 0, "
+                             "informative >= 0, a grid")
         self.min_pairs, self.pair_gap_s, self.cap = int(min_pairs), float(pair_gap_s), float(cap)
+        self.informative = float(informative)
         self._grid = np.asarray(sorted(grid_s), dtype=float)
+        # pairs of sizes apart, and the others: a pair alike in size tells only an idle
+        # time below the burst from one above it (every burst shorter than both fits it
+        # alike), so a run of those must not push out the pairs that measured the burst
         self._pairs = collections.deque(maxlen=int(pairs))
+        self._sized = collections.deque(maxlen=int(pairs))
         self._prev = None       # (end t_s, bits, on-link s, idle s) of the last transfer observed
         self.burst_s = 0.0
         self.fits = 0
@@ -387,22 +402,38 @@ class LinkBurst:
         prev, self._prev = self._prev, cur
         if prev is None or not 0.0 <= cur[0] - prev[0] <= self.pair_gap_s:
             return
-        self._pairs.append(prev[1:] + cur[1:])
-        if len(self._pairs) >= self.min_pairs:
+        pair = prev[1:] + cur[1:]
+        if np.ptp(self._residuals(np.asarray([pair]))) < self.informative:
+            return      # alike in size and idle time: every burst fits it (nearly) alike
+        sized = abs(math.log(pair[3] / pair[0])) >= self.SIZES_APART
+        (self._sized if sized else self._pairs).append(pair)
+        if len(self._pairs) + len(self._sized) >= self.min_pairs:
             self._fit()
 
-    def _fit(self) -> None:
-        p = np.asarray(self._pairs, dtype=float)            # bits, on-link, idle of a then b
+    def _residuals(self, p):
+        """[grid, pair] residual of each burst on the pairs ``p`` (bits, on-link, idle of a
+        then b)."""
         g = self._grid[:, None]
-        time_a = p[None, :, 1] + np.minimum(g, p[None, :, 2])
-        time_b = p[None, :, 4] + np.minimum(g, p[None, :, 5])
-        residual = np.abs(np.log(time_b / time_a) - np.log(p[None, :, 3] / p[None, :, 0]))
-        cost = np.minimum(residual, self.cap).sum(axis=1)
-        self.burst_s = float(self._grid[int(np.argmin(cost))])   # first minimum: the smallest
+        bits_a, on_a, credit_a = p[None, :, 0], p[None, :, 1], np.minimum(g, p[None, :, 2])
+        bits_b, on_b, credit_b = p[None, :, 3], p[None, :, 4], np.minimum(g, p[None, :, 5])
+        # each transfer's time on the link as the other's rate predicts it, against what it
+        # measured: relative to the measurement, so that no burst shrinks the residuals of
+        # transfers alike in size and idle time (a ratio of times plus the burst would)
+        b_from_a = (bits_b / bits_a) * (on_a + credit_a) - credit_b
+        a_from_b = (bits_a / bits_b) * (on_b + credit_b) - credit_a
+        return np.abs(b_from_a - on_b) / on_b + np.abs(a_from_b - on_a) / on_a
+
+    def _fit(self) -> None:
+        pairs = np.asarray(list(self._pairs) + list(self._sized), dtype=float)
+        cost = np.minimum(self._residuals(pairs), self.cap).sum(axis=1)
+        # the smallest burst within rounding (and 1 %) of the lowest cost
+        best = cost.min()
+        self.burst_s = float(self._grid[int(np.argmax(cost <= best + max(1e-9, 0.01 * best)))])
         self.fits += 1
 
     def reset(self) -> None:
         self._pairs.clear()
+        self._sized.clear()
         self._prev = None
         self.burst_s = 0.0
 

@@ -143,3 +143,46 @@ def test_main_scores_saved_logs(tmp_path):
     assert pb.main(["--logs", str(path), "--out", str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "online 100 ms" in text and "hand-made" in text
+
+
+def _bench_frames(trace, rate_read_bps, n=12, nbytes=1_250_000):
+    """Bench frame rows of one cell on ``trace``: each frame one call moving ``nbytes`` at
+    the trace's rate, 0.5 s apart (paired: trace_s = t_s), the estimate it used
+    ``rate_read_bps``; a local frame between each (no transfer)."""
+    rows = []
+    for i in range(n):
+        t = 0.5 * i
+        d = nbytes * 8 / trace.rate_at(t)
+        rows.append({"model": "m", "trace": trace.name, "mode_asked": "full_offload", "t_s": t,
+                     "trace_s": t, "latency_s": d, "transfer_s": d, "round_trips": 1,
+                     "executed_mode": "full_offload", "bytes_up": nbytes, "bytes_down": 0,
+                     "predicted_bandwidth_bps": rate_read_bps, "lost": False})
+        rows.append({"model": "m", "trace": trace.name, "mode_asked": "local", "t_s": t + d,
+                     "trace_s": t, "latency_s": 0.01, "transfer_s": 0.0, "round_trips": 0,
+                     "executed_mode": "local", "bytes_up": 0, "bytes_down": 0,
+                     "predicted_bandwidth_bps": float("nan"), "lost": False})
+    return rows
+
+
+def test_a_bench_runs_estimates_are_scored_against_the_trace():
+    """Frames on a constant 10 Mbit/s link whose estimate read 20: the frames' column is
+    off by 10 Mbit/s (100 %); their transfers replayed read the rate exactly."""
+    trace = traces.constant(10 * MBIT, 60.0)
+    text = pb.frames_online_table(_bench_frames(trace, 20 * MBIT), [trace])
+    row = next(line for line in text.splitlines() if line.startswith("| const10M |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert cells[0] == "10.0 / 10.0 (100 %)"
+    assert cells[1:] == ["0.0 / 0.0 (0 %)"] * 4, cells
+    # no frame of a known trace: nothing to say
+    assert pb.frames_online_table(_bench_frames(trace, 20 * MBIT), [traces.constant(5 * MBIT)]) == ""
+
+
+def test_main_scores_a_bench_runs_frames_csv(tmp_path):
+    from robot_offload.bench.report import write_csv
+    trace = traces.from_spec("const:10", 60.0)
+    write_csv(_bench_frames(trace, 12 * MBIT), str(tmp_path / "frames.csv"))
+    assert pb.main(["--frames", str(tmp_path / "frames.csv"), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "estimates.md").read_text()
+    assert "| const10M | 2.0 / 2.0 (20 %) | 0.0 / 0.0 (0 %) |" in text
+    assert pb.bench_trace("const2.5M", 60.0).mean_bps == pytest.approx(2.5 * MBIT)
+    assert pb.bench_trace("walk:7", 60.0).name == "walk:7"

@@ -4,6 +4,7 @@ shaped testbed (online).
     python -m robot_offload.bench.predictors                  # offline only, any user
     python -m robot_offload.bench.predictors --online --out DIR   # as root, ~2.5 minutes
     python -m robot_offload.bench.predictors --logs DIR/transfers.json   # score a run again
+    python -m robot_offload.bench.predictors --frames BENCH_OUT/frames.csv  # a bench run's estimates
 
 Offline: each predictor is fed a trace's samples (0.1 s, exact) and at every sample
 predicts the mean rate over the next ``h`` (100 ms, and 300 ms: the decision horizon, a
@@ -19,21 +20,29 @@ set over the next ``h``. The client does not depend on the predictor, so one log
 every predictor on the same transfers. The "measured / set" line shows what the samples
 themselves read against the trace.
 
+A bench run (``rosrun robot_offload bench``): the estimate each frame used, and the
+frames' own transfers replayed through the estimator with other predictors, against the
+rate the trace set where the frame started (its report has the same table).
+
 MAE in Mbit/s; MAPE in % over instants whose actual rate is at least 1 Mbit/s.
 """
 
 import argparse
+import csv
 import json
+import math
 import os
 import platform
+import re
 import shlex
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from robot_offload.bandwidth import (MAPE_FLOOR_BPS, PassiveEstimator, TransferSample,
-                                     evaluate_predictors, make_predictor)
+                                     evaluate_predictors, frame_transfer, make_predictor)
 from robot_offload.errors import ConfigError
 from robot_offload.testbed import traces as tr
 
@@ -76,34 +85,127 @@ def offline_rows(trace, specs=PREDICTORS, horizons=HORIZONS_S):
     return out
 
 
+def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rtt_s=(),
+                       burst="learn"):
+    """{horizon: (predicted, actual)}: a :class:`PassiveEstimator` with predictor ``spec``
+    (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes)], real time) in the
+    order they ended; at each of ``instants`` ([(real time, trace position)]) its
+    prediction against the mean rate the trace set over the next ``h`` from that position
+    (instants before the first prediction, or whose horizon runs past the trace, skipped)."""
+    transfers = sorted(transfers, key=lambda x: x[1])
+    est = PassiveEstimator(make_predictor(spec), burst=burst)
+    for rtt in rtt_s:
+        est.observe_rtt(rtt)
+    out = {h: ([], []) for h in horizons}
+    j = 0
+    for t, pos in sorted(instants):
+        while j < len(transfers) and transfers[j][1] <= t:
+            t0, t1, nbytes = transfers[j]
+            est.add(TransferSample(t1, int(nbytes), t1 - t0))
+            j += 1
+        p = est.predict_bps()
+        if p is None:
+            continue
+        for h in horizons:
+            if pos + h <= trace.duration_s:
+                out[h][0].append(p)
+                out[h][1].append(mean_rate(trace, pos, pos + h))
+    return out
+
+
 def online_rows(log, trace, specs=PREDICTORS, horizons=HORIZONS_S):
     """{(predictor, horizon): scores} on a transfer log (see
-    :func:`robot_offload.testbed.transfers.record`; times in trace position)."""
-    transfers = sorted((tuple(x) for x in log["transfers"]), key=lambda x: x[1])
-    starts = sorted(x[0] for x in transfers)
+    :func:`robot_offload.testbed.transfers.record`; times in trace position), scored at
+    each transfer's start."""
+    transfers = [(t0, t1, up + down) for t0, t1, up, down in (tuple(x) for x in log["transfers"])]
+    instants = [(t0, t0) for t0, _, _ in transfers]
     out = {}
     for spec in specs:
-        est = PassiveEstimator(make_predictor(spec))
-        for rtt in log.get("rtt_s", []):
-            est.observe_rtt(rtt)
-        pred = {h: [] for h in horizons}
-        actual = {h: [] for h in horizons}
-        j = 0
-        for t in starts:
-            while j < len(transfers) and transfers[j][1] <= t:
-                t0, t1, up, down = transfers[j]
-                est.add(TransferSample(t1, int(up + down), t1 - t0))
-                j += 1
-            p = est.predict_bps()
-            if p is None:
-                continue
-            for h in horizons:
-                if t + h <= trace.duration_s:
-                    pred[h].append(p)
-                    actual[h].append(mean_rate(trace, t, t + h))
+        got = online_predictions(transfers, instants, trace, spec, horizons, log.get("rtt_s", []))
         for h in horizons:
-            out[(spec, h)] = _scores(pred[h], actual[h])
+            out[(spec, h)] = _scores(*got[h])
     return out
+
+
+#: The columns of :func:`frames_online_table` besides the estimate the frames used:
+#: (heading, predictor, burst).
+REPLAYS = (("last", "last", "learn"), ("harmonic(5)", "harmonic(5)", "learn"),
+           ("kalman", "kalman", "learn"), ("last, no burst", "last", None))
+
+
+def _frame_transfer(row):
+    """(start, end, bytes) of the one call a bench frame row made, or None (see
+    :func:`robot_offload.bandwidth.frame_transfer`)."""
+    try:     # numbers, or the strings of a frames.csv
+        stats = SimpleNamespace(round_trips=int(float(row["round_trips"])),
+                                transfer_s=float(row["transfer_s"]), executed_mode=row["executed_mode"],
+                                bytes_up=int(float(row["bytes_up"])), bytes_down=int(float(row["bytes_down"])))
+        sample = frame_transfer(stats, float(row["t_s"]) + float(row["latency_s"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes)
+
+
+def frames_online_table(frames, traces, horizons=HORIZONS_S, replays=REPLAYS):
+    """Markdown: per trace (over its models), the bandwidth estimate each bench frame
+    used (``predicted_bandwidth_bps``), and the frames' own transfers replayed through
+    :class:`PassiveEstimator` with other predictors (``replays``), against the mean rate
+    the trace set over the next ``h`` from where the frame started (``trace_s``; a
+    repeated trace wraps). MAE Mbit/s at each horizon and MAPE % at the first."""
+    by_name = {t.name: t for t in traces}
+    cols = ["used by the frames"] + [name for name, _, _ in replays]
+    acc = {}
+    for (model, trace_name), rs in sorted(_by_cell(frames).items()):
+        trace = by_name.get(trace_name)
+        if trace is None:
+            continue
+        rs = sorted(rs, key=lambda r: float(r["t_s"]))
+        pos = [float(r["trace_s"]) % trace.duration_s if r.get("trace_s") not in (None, "")
+               else float(r["t_s"]) % trace.duration_s for r in rs]
+        cell = acc.setdefault(trace_name, {c: {h: ([], []) for h in horizons} for c in cols})
+        for r, p in zip(rs, pos):
+            bw = _float(r.get("predicted_bandwidth_bps"))
+            if bw is not None and bw > 0:
+                for h in horizons:
+                    if p + h <= trace.duration_s:
+                        cell[cols[0]][h][0].append(bw)
+                        cell[cols[0]][h][1].append(mean_rate(trace, p, p + h))
+        transfers = [x for x in map(_frame_transfer, rs) if x is not None]
+        instants = [(float(r["t_s"]), p) for r, p in zip(rs, pos)]
+        for name, spec, burst in replays:
+            got = online_predictions(transfers, instants, trace, spec, horizons, burst=burst)
+            for h in horizons:
+                cell[name][h][0].extend(got[h][0])
+                cell[name][h][1].extend(got[h][1])
+    if not acc:
+        return ""
+    hs = " / ".join(f"{1e3 * h:g}" for h in horizons)
+    lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, cell in acc.items():
+        out = []
+        for c in cols:
+            sc = [_scores(*cell[c][h]) for h in horizons]
+            out.append("-" if not sc[0]["n"] else " / ".join(f"{x['mae_bps'] / 1e6:.1f}" for x in sc)
+                       + f" ({sc[0]['mape_pct']:.0f} %)")
+        lines.append(f"| {name} | " + " | ".join(out) + " |")
+    return (f"MAE Mbit/s {hs} ms ahead (MAPE at {1e3 * horizons[0]:g} ms), at each frame's "
+            "start, against the mean rate the trace set from there.\n\n" + "\n".join(lines))
+
+
+def _by_cell(frames):
+    cells = {}
+    for r in frames:
+        if not r.get("lost") in (True, "True"):
+            cells.setdefault((r["model"], r["trace"]), []).append(r)
+    return cells
+
+
+def _float(v):
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def measurement_bias(log, trace):
@@ -214,8 +316,13 @@ def main(argv=None):
                     help="also score on real transfers through the tc-shaped testbed (root)")
     ap.add_argument("--logs", help="score the transfer logs of an earlier --online run "
                                    "(its transfers.json) instead of making new ones")
-    ap.add_argument("--out", help="folder for report.md and transfers.json")
+    ap.add_argument("--frames", help="instead: score the bandwidth estimates a bench run's "
+                                     "frames used, and replay their transfers (its frames.csv)")
+    ap.add_argument("--out", help="folder for report.md and transfers.json (with --frames: "
+                                  "estimates.md)")
     args = ap.parse_args(argv)
+    if args.frames:
+        return _main_frames(ap, args, argv)
     try:
         for s in args.predictors:
             make_predictor(s)
@@ -293,6 +400,32 @@ def main(argv=None):
                                    "transfers": [[round(a, 6), round(b, 6), u, d]
                                                  for a, b, u, d in lg["transfers"]]}
                                for n, lg in logs.items()}}, f)
+    return 0
+
+
+def bench_trace(name, duration_s):
+    """The trace a bench report names (``const5M``, ``indoor``, ``walk:7``, ...)."""
+    m = re.fullmatch(r"const([0-9.]+)M", name)
+    return tr.from_spec(f"const:{m.group(1)}" if m else name, duration_s)
+
+
+def _main_frames(ap, args, argv):
+    from robot_offload.bench.runner import BenchConfig
+    try:
+        with open(args.frames, newline="", encoding="utf-8") as f:
+            frames = list(csv.DictReader(f))
+        traces = [bench_trace(n, BenchConfig.trace_duration_s) for n in sorted({r["trace"] for r in frames})]
+    except (OSError, KeyError, ConfigError) as e:
+        ap.error(str(e))
+    command = "python -m robot_offload.bench.predictors " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    text = (f"# Bandwidth estimates of a bench run\n\n`{command}`\n\n"
+            + (frames_online_table(frames, traces) or "(no frames of a known trace)") + "\n")
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "estimates.md"), "w", encoding="utf-8") as f:
+            f.write(text)
     return 0
 
 

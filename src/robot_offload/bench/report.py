@@ -8,6 +8,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from robot_offload.bandwidth import score_predictors
+from robot_offload.bench.predictors import frames_online_table
 from robot_offload.partition.graph import OUTPUT_CUT_LABEL
 from robot_offload.report import markdown_table, summarise
 from robot_offload.testbed.netns import BURST_S
@@ -427,6 +428,12 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                "joules per inference (the power model's, see the Results' j_per_inference) "
                "instead of latency.\n", energy, ""]
     md += ["## Planner prediction\n", prediction_table(frames)]
+    online = frames_online_table(frames, traces)
+    if online:
+        md += ["", "## Bandwidth estimates at each frame (online)\n",
+               "The estimate each frame used (the monitor's, from the transfers of all the "
+               "cell's frames), and those transfers replayed through the estimator with other "
+               "predictors, with and without the link's burst added back.\n", online]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
     text = "\n".join(md) + "\n"
