@@ -358,15 +358,14 @@ class LinkBurst:
     Two transfers close in time (``pair_gap_s``) share a rate, so with the right burst each
     one's time on the link follows from the other's: ``d_b = B_b / B_a * (d_a + k_a) - k_b``
     (d: time on the link, k: the credit). Pairs that differ in size or in idle time tell
-    bursts apart; pairs alike in both fit every burst exactly alike. The burst is the
-    :data:`BURST_GRID_S` value whose residual (both ways, relative to the times measured),
-    summed over the last ``pairs`` pairs that tell (whose residual varies by at least
-    ``informative`` over the grid: a burst learned stays while transfers alike follow) of
-    sizes apart and as many others, is
-    lowest, each pair's capped at ``cap`` (a pair across a change of rate counts little);
-    ties (within 1 %) go to the smallest, so a link without a bucket (or transfers that
-    cannot tell) keeps 0: rates as bytes over time on the link.
-    ``min_pairs`` pairs are needed before the first fit."""
+    bursts apart; pairs alike in both fit every burst alike and are not kept (whose
+    residual varies by less than ``informative`` over the grid), so a burst learned stays
+    while such transfers follow. The burst is the :data:`BURST_GRID_S` value whose residual
+    (both ways, relative to the times measured; each pair's capped at ``cap``, so that a
+    pair across a change of rate counts little) summed over the last ``pairs`` pairs of
+    sizes apart and the last ``pairs`` others is lowest. Ties (within 1 %) go to the
+    smallest, so a link without a bucket, or transfers that cannot tell, keep 0: rates as
+    bytes over time on the link. ``min_pairs`` pairs are needed before the first fit."""
 
     #: two transfers are of sizes apart when one is at least 1.5x the other
     SIZES_APART = math.log(1.5)
