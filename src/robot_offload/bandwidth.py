@@ -647,10 +647,9 @@ PREDICTOR_KINDS = {"kalman": KalmanLevel, "last": LastValue, "ewma": Ewma,
                    "log-ewma": LogEwma, "harmonic": HarmonicMean, "median": MedianOfN,
                    "ar1": Ar1}
 #: What "default" means: ``last``. With the link's burst added back to each sample
-#: (:class:`LinkBurst`), ``last`` has the lowest error 100 ms ahead on request/reply
-#: transfers through the shaped testbed on every trace (``python -m
-#: robot_offload.bench.predictors --online``), and it reads a step at once; ``kalman``
-#: smooths samples a step makes look like noise.
+#: (:class:`LinkBurst`), ``last`` is about as close as ``kalman`` 100 ms ahead on
+#: request/reply transfers through the shaped testbed, closer on a random walk (``python
+#: -m robot_offload.bench.predictors --online``), and it reads a step at once.
 DEFAULT_PREDICTOR = "last"
 
 
