@@ -61,7 +61,7 @@ def mixed(n, seed=1):
 @pytest.mark.parametrize("burst_s", [0.02, 0.05])
 def test_a_shapers_bucket_is_learned_and_the_rate_comes_out_right(burst_s):
     sizes, gaps = mixed(200)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     ratios = run(BucketLink(20 * MBIT, burst_s, jitter_s=0.002), sizes, gaps, est)
     assert est.burst_s == pytest.approx(burst_s, abs=0.0051)
     assert np.median(ratios[40:]) == pytest.approx(1.0, abs=0.03)
@@ -73,7 +73,7 @@ def test_a_shapers_bucket_is_learned_and_the_rate_comes_out_right(burst_s):
 
 def test_a_link_without_a_bucket_learns_none():
     sizes, gaps = mixed(200, seed=2)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     ratios = run(BucketLink(20 * MBIT, 0.0, jitter_s=0.002), sizes, gaps, est)
     assert est.burst_s <= 0.0025
     assert np.median(ratios) == pytest.approx(1.0, abs=0.03)
@@ -84,7 +84,7 @@ def test_transfers_that_cannot_tell_give_no_credit(jitter_s):
     """One size, long idle before each: every burst fits them alike, noise or not (a
     residual that shrank as the burst grew once learned 100 ms from camera frames 40 ms on
     the link, and read a 20 Mbit/s link as 9); none is assumed."""
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     ratios = run(BucketLink(20 * MBIT, 0.02, jitter_s=jitter_s), [150_000] * 50, [0.2] * 50, est)
     assert est.burst_s == 0.0 and est.burst.fits == 0 and not est.burst._pairs and not est.burst._sized
     assert np.all(ratios > 1.3)        # bytes over time on the link, as without a burst
@@ -94,7 +94,7 @@ def test_a_burst_learned_stays_while_transfers_alike_follow():
     """Mixed sizes teach the burst; then a long run of camera frames alike in size and
     idle time (which cannot tell) keeps it, and their rates come out right."""
     link = BucketLink(20 * MBIT, 0.02, jitter_s=0.002)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     sizes, gaps = mixed(60, seed=6)
     run(link, sizes, gaps, est)
     assert est.burst_s == pytest.approx(0.02, abs=0.0051)
@@ -106,7 +106,7 @@ def test_a_burst_learned_stays_while_transfers_alike_follow():
 def test_idle_time_alone_tells_the_burst():
     """One size; idle before each varies below and above the bucket's 30 ms."""
     rng = np.random.default_rng(3)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     ratios = run(BucketLink(20 * MBIT, 0.03, jitter_s=0.001), [600_000] * 150,
                  rng.uniform(0.0, 0.06, 150).tolist(), est)
     assert est.burst_s == pytest.approx(0.03, abs=0.0051)
@@ -115,7 +115,7 @@ def test_idle_time_alone_tells_the_burst():
 
 def test_rate_steps_do_not_throw_it_off():
     sizes, gaps = mixed(300, seed=4)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     ratios = run(BucketLink(20 * MBIT, 0.02, jitter_s=0.002), sizes, gaps, est,
                  rate_of=lambda i: (50 if (i // 40) % 2 else 10) * MBIT)
     assert est.burst_s == pytest.approx(0.02, abs=0.0051)
@@ -126,7 +126,7 @@ def test_a_burst_the_bucket_covered_is_a_floor_with_the_credit():
     """Once the bucket is known, a transfer it wholly covered (under 5 ms on the link)
     says only that the rate is at least bytes / (5 ms + credit)."""
     sizes, gaps = mixed(100, seed=5)
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     run(BucketLink(20 * MBIT, 0.02, jitter_s=0.002), sizes, gaps, est)
     assert est.burst_s == pytest.approx(0.02, abs=0.0051)
     last_end = est._link_free_since
@@ -158,11 +158,23 @@ finite = st.floats(allow_nan=True, allow_infinity=True)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(finite, st.integers(0, 1 << 31), finite), min_size=1, max_size=60))
 def test_any_transfers_leave_a_burst_on_the_grid_and_finite_rates(samples):
-    est = bw.PassiveEstimator(bw.LastValue())
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
     for t, n, d in samples:
         got = est.add(bw.TransferSample(t, n, d), rtt_s=0.0)
         assert got is None or (math.isfinite(got) and got > 0)
         assert est.burst_s in bw.BURST_GRID_S
+
+
+def test_no_burst_is_learned_unless_asked():
+    """The monitor's default: bytes over time on the link, no credit (a robot's frames
+    carry its own stalls, from which a burst can be mislearned)."""
+    est = bw.PassiveEstimator(bw.LastValue())
+    assert est.burst is None
+    sizes, gaps = mixed(100, seed=7)
+    ratios = run(BucketLink(20 * MBIT, 0.02, jitter_s=0.002), sizes, gaps, est)
+    assert est.burst_s == 0.0 and np.median(ratios) > 1.08
+    assert bw.BandwidthMonitorConfig().validate().learn_burst is False
+    assert bw.BandwidthMonitorConfig(learn_burst=True).validate().learn_burst is True
 
 
 def test_bad_parameters_are_refused():

@@ -113,15 +113,16 @@ def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rt
     return out
 
 
-def online_rows(log, trace, specs=PREDICTORS, horizons=HORIZONS_S):
+def online_rows(log, trace, specs=PREDICTORS, horizons=HORIZONS_S, burst="learn"):
     """{(predictor, horizon): scores} on a transfer log (see
     :func:`robot_offload.testbed.transfers.record`; times in trace position), scored at
-    each transfer's start."""
+    each transfer's start; ``burst`` as :class:`PassiveEstimator` takes it."""
     transfers = [(t0, t1, up + down) for t0, t1, up, down in (tuple(x) for x in log["transfers"])]
     instants = [(t0, t0) for t0, _, _ in transfers]
     out = {}
     for spec in specs:
-        got = online_predictions(transfers, instants, trace, spec, horizons, log.get("rtt_s", []))
+        got = online_predictions(transfers, instants, trace, spec, horizons, log.get("rtt_s", []),
+                                 burst)
         for h in horizons:
             out[(spec, h)] = _scores(*got[h])
     return out
@@ -129,8 +130,8 @@ def online_rows(log, trace, specs=PREDICTORS, horizons=HORIZONS_S):
 
 #: The columns of :func:`frames_online_table` besides the estimate the frames used:
 #: (heading, predictor, burst).
-REPLAYS = (("last", "last", "learn"), ("harmonic(5)", "harmonic(5)", "learn"),
-           ("kalman", "kalman", "learn"), ("last, no burst", "last", None))
+REPLAYS = (("last", "last", None), ("harmonic(5)", "harmonic(5)", None),
+           ("kalman", "kalman", None), ("last, burst learned", "last", "learn"))
 
 
 def _frame_transfer(row):
@@ -252,7 +253,7 @@ def cost_us(spec, n=20000):
 def estimator_cost_us(spec, n=5000):
     """Mean time (microseconds) of :meth:`PassiveEstimator.add` with ``spec`` behind it, on
     transfers of two sizes 50 ms apart: every one is paired and refits the link's burst."""
-    est = PassiveEstimator(make_predictor(spec))
+    est = PassiveEstimator(make_predictor(spec), burst="learn")
     rng = np.random.default_rng(0)
     sizes = rng.choice(WORKLOAD["sizes"], n).tolist()
     on_link = rng.uniform(0.01, 0.1, n).tolist()
@@ -316,6 +317,9 @@ def main(argv=None):
                     help="also score on real transfers through the tc-shaped testbed (root)")
     ap.add_argument("--logs", help="score the transfer logs of an earlier --online run "
                                    "(its transfers.json) instead of making new ones")
+    ap.add_argument("--burst", choices=("learn", "none"), default="learn",
+                    help="online: the estimator learns the link's burst and adds it back "
+                         "(bandwidth_monitor's ~learn_burst), or not (its default)")
     ap.add_argument("--frames", help="instead: score the bandwidth estimates a bench run's "
                                      "frames used, and replay their transfers (its frames.csv)")
     ap.add_argument("--out", help="folder for report.md and transfers.json (with --frames: "
@@ -350,7 +354,8 @@ def main(argv=None):
         logs = {}
     for t in traces:
         if t.name in logs:
-            online[t.name] = online_rows(logs[t.name], t, specs, horizons)
+            online[t.name] = online_rows(logs[t.name], t, specs, horizons,
+                                         None if args.burst == "none" else "learn")
     bias = {t.name: measurement_bias(logs[t.name], t) for t in traces if t.name in logs}
 
     command = "python -m robot_offload.bench.predictors " + " ".join(
@@ -366,7 +371,10 @@ def main(argv=None):
           "over the next 100 ms and 300 ms; bold: lowest MAE in the column for that trace. "
           "Offline: the trace's own 0.1 s samples. Online: real transfers (150 KB and "
           "600 KB, 20 frames/s, closed loop) through tc htb while the trace replays; "
-          "scored at each frame's start.", "",
+          "scored at each frame's start; the estimator "
+          + ("learning the link's burst and adding it back (`~learn_burst: true`)."
+             if args.burst == "learn" else "without the link's burst (the monitor's default)."),
+          "",
           table(traces, offline, online, specs, horizons), ""]
     if bias:
         md += ["Online samples, measured / set rate (median, p10-p90), samples used / "

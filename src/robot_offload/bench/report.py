@@ -433,7 +433,7 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
         md += ["", "## Bandwidth estimates at each frame (online)\n",
                "The estimate each frame used (the monitor's, from the transfers of all the "
                "cell's frames), and those transfers replayed through the estimator with other "
-               "predictors, with and without the link's burst added back.\n", online]
+               "predictors, and with the link's burst learned and added back.\n", online]
     md += ["", "## Bandwidth predictors (offline, 100 ms ahead)\n", predictor_table(pred_traces), "",
            "## Plots\n"] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in png]
     text = "\n".join(md) + "\n"

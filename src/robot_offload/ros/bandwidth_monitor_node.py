@@ -6,7 +6,8 @@ down over the time the radio was busy, less one RTT per round trip). Active (opt
 and a small Ping measures RTT; a probe too short to show a rate (a shaper's burst, a
 fast link) doubles, up to ``~probe_bytes_max``; the probes' own traffic is reported as
 overhead. Transfers shorter than ``~min_sample_s`` on the link are ignored (see
-``bandwidth.MIN_TRANSFER_S``). The prediction for the next inference comes from
+``bandwidth.MIN_TRANSFER_S``); ``~learn_burst`` learns what a shaper lets through at
+line rate after an idle moment and adds it back (``bandwidth.LinkBurst``). The prediction for the next inference comes from
 ``~predictor`` and is published as BandwidthEstimate at ``~rate_hz`` for the client to
 plan with.
 """
@@ -46,7 +47,8 @@ class BandwidthMonitorNode:
         self.probe_bytes_max = c.probe_bytes_max
         self.probe_timeout_s = c.probe_timeout_s
         predictor = make_predictor(c.predictor)
-        self.estimator = PassiveEstimator(predictor, min_duration_s=c.min_sample_s)
+        self.estimator = PassiveEstimator(predictor, min_duration_s=c.min_sample_s,
+                                          burst="learn" if c.learn_burst else None)
         self._lock = threading.Lock()
         self.source = BandwidthEstimate.SOURCE_NONE
         self.probe_bytes_total = 0
@@ -117,7 +119,7 @@ class BandwidthMonitorNode:
                 uptime_s=now - self.started, stale_after_s=self.stale_after_s,
                 probing=self.transport is not None, predictor=e.predictor.name,
                 samples_used=e.used, samples_ignored=e.ignored, probe_error=self.probe_error,
-                burst_s=e.burst_s)
+                burst_s=e.burst_s if e.burst is not None else None)
 
     def spin(self):
         rate = rospy.Rate(self.rate_hz)
