@@ -4,7 +4,8 @@ Every one of offload_client, offload_server, bandwidth_monitor and power_logger 
 its own status and the machine's; a crashed server (SIGKILL of the node, respawned by
 server.launch) turns the client's status to ERROR and its return back to OK. Included in
 ``<group ns="robot1">``, robot.launch's nodes and topics live under /robot1 and still
-offload to the one global server; a robot node that dies is respawned."""
+offload to the one global server, take their own parameters (the monitor's
+``learn_burst``), and a robot node that dies is respawned."""
 
 import os
 import signal
@@ -91,7 +92,9 @@ def test_every_node_reports_and_the_client_follows_the_server(launch, diagnostic
     assert v["server link"] == "up" and v["mode"] == "full_offload" and "/offload_server" in v["server"]
     assert float(v["latency median (s)"]) > 0 and float(v["frame rate (Hz, last 10 s)"]) > 0
     assert _values(diagnostics.wait_for("power_logger: power", lambda s: True, 30))["source"]
-    assert "predicted" in _values(diagnostics.wait_for("bandwidth_monitor: bandwidth", lambda s: True, 30))
+    bandwidth = _values(diagnostics.wait_for("bandwidth_monitor: bandwidth", lambda s: True, 30))
+    assert "predicted" in bandwidth
+    assert "link burst learned (ms at the rate)" not in bandwidth     # ~learn_burst is off by default
 
     # The server crashes: SIGKILL of the node; server.launch respawns it.
     t_kill = time.monotonic()
@@ -119,6 +122,7 @@ NS_LAUNCH = """<launch>
       <arg name="rate_hz" value="5"/>
       <arg name="input_size" value="[64,64]"/>
     </include>
+    <param name="bandwidth_monitor/learn_burst" value="true"/>
   </group>
 </launch>
 """
@@ -147,6 +151,9 @@ def test_robot_side_in_a_namespace(launch, diagnostics, tmp_path):
     for name in ("robot1/bandwidth_monitor: bandwidth", "robot1/power_logger: power",
                  "offload_server: server"):
         diagnostics.wait_for(name, lambda s: True, 60)
+    # the robot's own parameters reach its nodes: this monitor learns the link's burst
+    burst = _values(diagnostics.wait_for("robot1/bandwidth_monitor: bandwidth", lambda s: True, 60))
+    assert float(burst["link burst learned (ms at the rate)"]) >= 0
     # the robot's mode parameter is the robot's
     assert rospy.get_param("/robot1/offload_client/mode") == "full_offload"
     # a robot node that dies comes back (robot.launch's respawn)
