@@ -534,10 +534,13 @@ class PassiveEstimator:
         under ``min_duration_s``): the rate it shows were it ``min_duration_s`` long (plus
         the credit), the least that such a burst says of the link. None for any other
         sample."""
-        on_link = self._time_less_rtt_s(sample, rtt_s)
-        if on_link is None or on_link >= self.min_duration_s:
+        return self._floor_bps(sample, self._time_less_rtt_s(sample, rtt_s), self._credit_s(sample))
+
+    def _floor_bps(self, sample, on_link_s, credit_s):
+        """:meth:`burst_floor_bps` from the sample's time on the link and its credit."""
+        if on_link_s is None or on_link_s >= self.min_duration_s:
             return None
-        return sample.bytes * 8.0 / (self.min_duration_s + self._credit_s(sample))
+        return sample.bytes * 8.0 / (self.min_duration_s + credit_s)
 
     def add(self, sample, rtt_s=None):
         """Measure a transfer and feed the predictor (the rate and the time it stands
@@ -552,7 +555,7 @@ class PassiveEstimator:
         on_link = self._time_less_rtt_s(sample, rtt_s)
         idle_s = self._idle_s(sample)
         credit_s = self._credit_s(sample)
-        floor = self.burst_floor_bps(sample, rtt_s)
+        floor = self._floor_bps(sample, on_link, credit_s)
         if sample.bytes >= self.min_bytes and math.isfinite(sample.t_s):
             self._link_free_since = (sample.t_s if self._link_free_since is None
                                      else max(self._link_free_since, sample.t_s))
