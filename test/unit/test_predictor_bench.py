@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from robot_offload.bench import predictors as pb
+from robot_offload.bench import report as bench_report
 from robot_offload.testbed import Testbed, traces, transfers
 
 MBIT = 1e6
@@ -169,19 +170,18 @@ def test_a_bench_runs_estimates_are_scored_against_the_trace():
     off by 10 Mbit/s (100 %); their transfers replayed read the rate exactly (with or
     without a burst learned: alike in size and idle time, they cannot tell one)."""
     trace = traces.constant(10 * MBIT, 60.0)
-    text = pb.frames_online_table(_bench_frames(trace, 20 * MBIT), [trace])
+    text = bench_report.frames_online_table(_bench_frames(trace, 20 * MBIT), [trace])
     row = next(line for line in text.splitlines() if line.startswith("| const10M |"))
     cells = [c.strip() for c in row.strip("|").split("|")][1:]
     assert cells[0] == "10.0 / 10.0 (100 %)"
     assert cells[1:] == ["0.0 / 0.0 (0 %)"] * 4, cells
     # no frame of a known trace: nothing to say
-    assert pb.frames_online_table(_bench_frames(trace, 20 * MBIT), [traces.constant(5 * MBIT)]) == ""
+    assert bench_report.frames_online_table(_bench_frames(trace, 20 * MBIT), [traces.constant(5 * MBIT)]) == ""
 
 
 def test_main_scores_a_bench_runs_frames_csv(tmp_path):
-    from robot_offload.bench.report import write_csv
     trace = traces.from_spec("const:10", 60.0)
-    write_csv(_bench_frames(trace, 12 * MBIT), str(tmp_path / "frames.csv"))
+    bench_report.write_csv(_bench_frames(trace, 12 * MBIT), str(tmp_path / "frames.csv"))
     assert pb.main(["--frames", str(tmp_path / "frames.csv"), "--out", str(tmp_path)]) == 0
     text = (tmp_path / "estimates.md").read_text()
     assert "| const10M | 2.0 / 2.0 (20 %) | 0.0 / 0.0 (0 %) |" in text

@@ -30,19 +30,17 @@ MAE in Mbit/s; MAPE in % over instants whose actual rate is at least 1 Mbit/s.
 import argparse
 import csv
 import json
-import math
 import os
 import platform
 import re
 import shlex
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
 from robot_offload.bandwidth import (MAPE_FLOOR_BPS, PassiveEstimator, TransferSample,
-                                     evaluate_predictors, frame_transfer, make_predictor)
+                                     evaluate_predictors, make_predictor)
 from robot_offload.errors import ConfigError
 from robot_offload.testbed import traces as tr
 
@@ -66,7 +64,8 @@ def mean_rate(trace, t0_s, t1_s):
     return float((np.interp(b, idx, cum) - np.interp(a, idx, cum)) / (b - a))
 
 
-def _scores(pred, actual):
+def score_online(pred, actual):
+    """n, MAE, MAPE (over actual rates of at least MAPE_FLOOR_BPS) and bias of predictions."""
     pred, actual = np.asarray(pred, float), np.asarray(actual, float)
     err = pred - actual
     ok = actual >= MAPE_FLOOR_BPS
@@ -85,6 +84,15 @@ def offline_rows(trace, specs=PREDICTORS, horizons=HORIZONS_S):
     return out
 
 
+def _estimator(spec, burst, rtt_s=()):
+    """A :class:`PassiveEstimator` with predictor ``spec`` and ``burst``, that has seen the
+    RTTs ``rtt_s`` (s)."""
+    est = PassiveEstimator(make_predictor(spec), burst=burst)
+    for rtt in rtt_s:
+        est.observe_rtt(rtt)
+    return est
+
+
 def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rtt_s=(),
                        burst="learn"):
     """{horizon: (predicted, actual)}: a :class:`PassiveEstimator` with predictor ``spec``
@@ -93,9 +101,7 @@ def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rt
     prediction against the mean rate the trace set over the next ``h`` from that position
     (instants before the first prediction, or whose horizon runs past the trace, skipped)."""
     transfers = sorted(transfers, key=lambda x: x[1])
-    est = PassiveEstimator(make_predictor(spec), burst=burst)
-    for rtt in rtt_s:
-        est.observe_rtt(rtt)
+    est = _estimator(spec, burst, rtt_s)
     out = {h: ([], []) for h in horizons}
     j = 0
     for t, pos in sorted(instants):
@@ -124,89 +130,8 @@ def online_rows(log, trace, specs=PREDICTORS, horizons=HORIZONS_S, burst="learn"
         got = online_predictions(transfers, instants, trace, spec, horizons, log.get("rtt_s", []),
                                  burst)
         for h in horizons:
-            out[(spec, h)] = _scores(*got[h])
+            out[(spec, h)] = score_online(*got[h])
     return out
-
-
-#: The columns of :func:`frames_online_table` besides the estimate the frames used:
-#: (heading, predictor, burst).
-REPLAYS = (("last", "last", None), ("harmonic(5)", "harmonic(5)", None),
-           ("kalman", "kalman", None), ("last, burst learned", "last", "learn"))
-
-
-def _frame_transfer(row):
-    """(start, end, bytes) of the one call a bench frame row made, or None (see
-    :func:`robot_offload.bandwidth.frame_transfer`)."""
-    try:     # numbers, or the strings of a frames.csv
-        stats = SimpleNamespace(round_trips=int(float(row["round_trips"])),
-                                transfer_s=float(row["transfer_s"]), executed_mode=row["executed_mode"],
-                                bytes_up=int(float(row["bytes_up"])), bytes_down=int(float(row["bytes_down"])))
-        sample = frame_transfer(stats, float(row["t_s"]) + float(row["latency_s"]))
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
-    return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes)
-
-
-def frames_online_table(frames, traces, horizons=HORIZONS_S, replays=REPLAYS):
-    """Markdown: per trace (over its models), the bandwidth estimate each bench frame
-    used (``predicted_bandwidth_bps``), and the frames' own transfers replayed through
-    :class:`PassiveEstimator` with other predictors (``replays``), against the mean rate
-    the trace set over the next ``h`` from where the frame started (``trace_s``; a
-    repeated trace wraps). MAE Mbit/s at each horizon and MAPE % at the first."""
-    by_name = {t.name: t for t in traces}
-    cols = ["used by the frames"] + [name for name, _, _ in replays]
-    acc = {}
-    for (model, trace_name), rs in sorted(_by_cell(frames).items()):
-        trace = by_name.get(trace_name)
-        if trace is None:
-            continue
-        rs = sorted(rs, key=lambda r: float(r["t_s"]))
-        pos = [float(r["trace_s"]) % trace.duration_s if r.get("trace_s") not in (None, "")
-               else float(r["t_s"]) % trace.duration_s for r in rs]
-        cell = acc.setdefault(trace_name, {c: {h: ([], []) for h in horizons} for c in cols})
-        for r, p in zip(rs, pos):
-            bw = _float(r.get("predicted_bandwidth_bps"))
-            if bw is not None and bw > 0:
-                for h in horizons:
-                    if p + h <= trace.duration_s:
-                        cell[cols[0]][h][0].append(bw)
-                        cell[cols[0]][h][1].append(mean_rate(trace, p, p + h))
-        transfers = [x for x in map(_frame_transfer, rs) if x is not None]
-        instants = [(float(r["t_s"]), p) for r, p in zip(rs, pos)]
-        for name, spec, burst in replays:
-            got = online_predictions(transfers, instants, trace, spec, horizons, burst=burst)
-            for h in horizons:
-                cell[name][h][0].extend(got[h][0])
-                cell[name][h][1].extend(got[h][1])
-    if not acc:
-        return ""
-    hs = " / ".join(f"{1e3 * h:g}" for h in horizons)
-    lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for name, cell in acc.items():
-        out = []
-        for c in cols:
-            sc = [_scores(*cell[c][h]) for h in horizons]
-            out.append("-" if not sc[0]["n"] else " / ".join(f"{x['mae_bps'] / 1e6:.1f}" for x in sc)
-                       + f" ({sc[0]['mape_pct']:.0f} %)")
-        lines.append(f"| {name} | " + " | ".join(out) + " |")
-    return (f"MAE Mbit/s {hs} ms ahead (MAPE at {1e3 * horizons[0]:g} ms), at each frame's "
-            "start, against the mean rate the trace set from there.\n\n" + "\n".join(lines))
-
-
-def _by_cell(frames):
-    cells = {}
-    for r in frames:
-        if not r.get("lost") in (True, "True"):
-            cells.setdefault((r["model"], r["trace"]), []).append(r)
-    return cells
-
-
-def _float(v):
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def measurement_bias(log, trace):
@@ -217,9 +142,7 @@ def measurement_bias(log, trace):
     transfers = sorted((tuple(x) for x in log["transfers"]), key=lambda x: x[1])
     out = {}
     for key, burst in (("learned", "learn"), ("raw", None)):
-        est = PassiveEstimator(make_predictor("last"), burst=burst)
-        for rtt in log.get("rtt_s", []):
-            est.observe_rtt(rtt)
+        est = _estimator("last", burst, log.get("rtt_s", []))
         ratios, bursts = [], []
         for t0, t1, up, down in transfers:
             bps = est.add(TransferSample(t1, int(up + down), t1 - t0))
@@ -418,6 +341,7 @@ def bench_trace(name, duration_s):
 
 
 def _main_frames(ap, args, argv):
+    from robot_offload.bench.report import frames_online_table
     from robot_offload.bench.runner import BenchConfig
     try:
         with open(args.frames, newline="", encoding="utf-8") as f:

@@ -1,14 +1,16 @@
 """Turn benchmark rows into the report: CSV, a Markdown table, PNG plots, the offline
-predictor evaluation and the physical-limit check."""
+predictor evaluation, the bandwidth estimates the frames used and the physical-limit check."""
 
 import csv
+import math
 import os
+from types import SimpleNamespace
 from typing import Dict, List, Sequence
 
 import numpy as np
 
-from robot_offload.bandwidth import score_predictors
-from robot_offload.bench.predictors import frames_online_table
+from robot_offload.bandwidth import frame_transfer, score_predictors
+from robot_offload.bench.predictors import HORIZONS_S, mean_rate, online_predictions, score_online
 from robot_offload.partition.graph import OUTPUT_CUT_LABEL
 from robot_offload.report import markdown_table, summarise
 from robot_offload.testbed.netns import BURST_S
@@ -332,7 +334,83 @@ def _trace_time(row: dict) -> float:
     """Where in the trace the frame started: ``trace_s`` in a paired run (every mode's frame
     i at the same point), else its start since the trace did."""
     t = row.get("trace_s")
-    return row["t_s"] if t is None else t
+    return row["t_s"] if t in (None, "") else t
+
+
+#: The columns of :func:`frames_online_table` besides the estimate the frames used:
+#: (heading, predictor, burst).
+REPLAYS = (("last", "last", None), ("harmonic(5)", "harmonic(5)", None),
+           ("kalman", "kalman", None), ("last, burst learned", "last", "learn"))
+
+
+def _frame_transfer(row):
+    """(start, end, bytes) of the one call a bench frame row made, or None (see
+    :func:`robot_offload.bandwidth.frame_transfer`)."""
+    try:     # numbers, or the strings of a frames.csv
+        stats = SimpleNamespace(round_trips=int(float(row["round_trips"])),
+                                transfer_s=float(row["transfer_s"]), executed_mode=row["executed_mode"],
+                                bytes_up=int(float(row["bytes_up"])), bytes_down=int(float(row["bytes_down"])))
+        sample = frame_transfer(stats, float(row["t_s"]) + float(row["latency_s"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes)
+
+
+def _finite(v):
+    """``v`` as a finite float, or None."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def frames_online_table(frames, traces, horizons=HORIZONS_S, replays=REPLAYS) -> str:
+    """Markdown: per trace (over its models), the bandwidth estimate each bench frame
+    used (``predicted_bandwidth_bps``), and the frames' own transfers replayed through
+    :class:`~robot_offload.bandwidth.PassiveEstimator` with other predictors
+    (``replays``), against the mean rate the trace set over the next ``h`` from where the
+    frame started (:func:`_trace_time`; a repeated trace wraps). MAE Mbit/s at each horizon
+    and MAPE % at the first. ``frames``: rows in memory or of a frames.csv (lost ones
+    skipped)."""
+    by_name = {t.name: t for t in traces}
+    cols = ["used by the frames"] + [name for name, _, _ in replays]
+    kept = [r for r in frames if r.get("lost") not in (True, "True")]
+    acc = {}
+    for (model, trace_name), rs in sorted(_group(kept, ("model", "trace")).items()):
+        trace = by_name.get(trace_name)
+        if trace is None:
+            continue
+        rs = sorted(rs, key=lambda r: float(r["t_s"]))
+        pos = [float(_trace_time(r)) % trace.duration_s for r in rs]
+        cell = acc.setdefault(trace_name, {c: {h: ([], []) for h in horizons} for c in cols})
+        for r, p in zip(rs, pos):
+            bw = _finite(r.get("predicted_bandwidth_bps"))
+            if bw is not None and bw > 0:
+                for h in horizons:
+                    if p + h <= trace.duration_s:
+                        cell[cols[0]][h][0].append(bw)
+                        cell[cols[0]][h][1].append(mean_rate(trace, p, p + h))
+        transfers = [x for x in map(_frame_transfer, rs) if x is not None]
+        instants = [(float(r["t_s"]), p) for r, p in zip(rs, pos)]
+        for name, spec, burst in replays:
+            got = online_predictions(transfers, instants, trace, spec, horizons, burst=burst)
+            for h in horizons:
+                cell[name][h][0].extend(got[h][0])
+                cell[name][h][1].extend(got[h][1])
+    if not acc:
+        return ""
+    hs = " / ".join(f"{1e3 * h:g}" for h in horizons)
+    lines = ["| trace | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, cell in acc.items():
+        out = []
+        for c in cols:
+            sc = [score_online(*cell[c][h]) for h in horizons]
+            out.append("-" if not sc[0]["n"] else " / ".join(f"{x['mae_bps'] / 1e6:.1f}" for x in sc)
+                       + f" ({sc[0]['mape_pct']:.0f} %)")
+        lines.append(f"| {name} | " + " | ".join(out) + " |")
+    return (f"MAE Mbit/s {hs} ms ahead (MAPE at {1e3 * horizons[0]:g} ms), at each frame's "
+            "start, against the mean rate the trace set from there.\n\n" + "\n".join(lines))
 
 
 def plots(rows: Sequence[dict], applied: Dict[str, list], out_dir: str) -> List[str]:
