@@ -8,8 +8,8 @@ Pure (no rospy, no sockets). Rates are bit/s of goodput.
   estimate is known, and (opt-in) what the link let through at line rate after an idle
   moment (a shaper's bucket, learned by :class:`LinkBurst`) is added back.
 - Predictors share one interface (``update(t_s, measured_bps, duration_s=None)``,
-  ``predict()``, ``reset()``, ``name``): :class:`KalmanLevel` (the default: weighs each
-  sample by how long its transfer lasted, follows steps at once), :class:`LastValue`,
+  ``predict()``, ``reset()``, ``name``): :class:`KalmanLevel` (weighs each sample by how
+  long its transfer lasted, follows steps at once), :class:`LastValue` (the default),
   :class:`Ewma`, :class:`HarmonicMean` (the FESTIVE / MPC video-streaming estimator),
   :class:`MedianOfN`, :class:`LogEwma`, :class:`Ar1`; :func:`make_predictor` builds one
   from its name ("ewma(0.3)").
@@ -353,7 +353,7 @@ class LinkBurst:
     a transfer that starts after ``idle`` s with ``min(burst, idle)`` s of its rate: B bits
     spend ``B / rate - min(burst, idle)`` on the link. Read as B over the time on the link,
     a 600 KB transfer at 50 Mbit/s shows 64 Mbit/s, and on the testbed every rate the
-    monitor measured was 1.3-1.7x the rate the trace set.
+    monitor measured was 1.4-1.7x the rate the trace set (median).
 
     Two transfers close in time (``pair_gap_s``) share a rate, so with the right burst each
     one's time on the link follows from the other's: ``d_b = B_b / B_a * (d_a + k_a) - k_b``
@@ -452,8 +452,9 @@ class PassiveEstimator:
     :class:`LinkBurst`), the credit is what the link let through at line rate after the
     idle time before the transfer (since the end of the last transfer of at least
     ``min_bytes``), as :class:`LinkBurst` learns it; by default (None) there is none:
-    bytes over time on the link. Learn it from clean transfers (probes, request/reply
-    traffic); a robot's frames also carry its own stalls (a CPU quota, planning beside
+    bytes over time on the link. Learn it from clean transfers of different sizes close in
+    time (request/reply traffic; periodic probes, of one size and far apart, teach it
+    nothing); a robot's frames also carry its own stalls (a CPU quota, planning beside
     them), and from those a bench run learned 85-100 ms on a 20 ms bucket and held a
     100 Mbit/s link at 13 Mbit/s.
 
