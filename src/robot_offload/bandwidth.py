@@ -21,6 +21,7 @@ Pure (no rospy, no sockets). Rates are bit/s of goodput.
 
 import abc
 import collections
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -59,11 +60,16 @@ MAPE_FLOOR_BPS = 1e6
 @dataclass(frozen=True)
 class TransferSample:
     """One transfer: ``bytes`` moved, finishing at ``t_s``, taking ``duration_s`` from the
-    first byte sent until the peer confirmed the last one (so it contains one RTT)."""
+    first byte sent until the peer confirmed the last one (so it contains one RTT).
+
+    ``floor_only``: the duration may hold more than the link's time (the sender stalled
+    during it), so the rate it shows is only a floor of the link's (see
+    :meth:`PassiveEstimator.add`)."""
 
     t_s: float
     bytes: int
     duration_s: float
+    floor_only: bool = False
 
 
 def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
@@ -71,10 +77,34 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
     ending at ``end_s``, or None when they measured none: a frame of several requests
     (``lop``'s spatial schedules, op by op) overlaps its transfers with computing, so bytes
     over transfer time is no rate of the link; and a hedge the robot answered
-    (``executed_mode`` ``local`` with a round trip) left its call unfinished."""
+    (``executed_mode`` ``local`` with a round trip) left its call unfinished.
+
+    A frame that ran beside background work on the robot (planning; ``background`` in its
+    details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
+    waited for the robot's CPU too. On the testbed such frames read a median of 46-120
+    Mbit/s on links where the others read 520-620, and those readings alone sent ``auto``
+    off the image offload for frames that took 2-5x as long."""
     if stats.round_trips != 1 or not stats.transfer_s > 0 or stats.executed_mode == "local":
         return None
-    return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s)
+    return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s,
+                          floor_only=ran_beside_background(stats))
+
+
+def ran_beside_background(stats) -> bool:
+    """Whether a frame's stats say background work ran on the robot during it: ``extra``'s
+    ``background`` (a ``FrameStats``), or ``detail_json``'s (an ``InferenceStats``
+    message, a bench row)."""
+    extra = getattr(stats, "extra", None)
+    if isinstance(extra, dict):
+        return bool(extra.get("background"))
+    text = getattr(stats, "detail_json", "")
+    if not isinstance(text, str) or '"background"' not in text:
+        return False
+    try:
+        detail = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(detail, dict) and detail.get("background") is True
 
 
 @dataclass(frozen=True)
@@ -552,7 +582,10 @@ class PassiveEstimator:
         (:meth:`burst_floor_bps`): then the floor is fed. On a fast link every transfer of
         the client may be a burst (a 150 KB camera image through a 100 Mbit/s shaper that
         holds 250 KB), and the estimate of a slower link before stayed for good: the
-        monitor said 5.8 Mbit/s for a whole 100 Mbit/s run."""
+        monitor said 5.8 Mbit/s for a whole 100 Mbit/s run.
+
+        A ``floor_only`` sample is a floor too: fed only when the prediction is below the
+        rate it shows (or there is none yet), and it teaches no burst."""
         on_link = self._time_less_rtt_s(sample, rtt_s)
         idle_s = self._idle_s(sample)
         credit_s = self._credit_s(sample)
@@ -560,16 +593,20 @@ class PassiveEstimator:
         if sample.bytes >= self.min_bytes and math.isfinite(sample.t_s):
             self._link_free_since = (sample.t_s if self._link_free_since is None
                                      else max(self._link_free_since, sample.t_s))
-        if on_link is None or on_link < self.min_duration_s:
-            predicted = self.predict_bps()
-            if floor is None or (predicted is not None and predicted >= floor):
-                self.ignored += 1
-                return None
+        if on_link is None:
+            self.ignored += 1
+            return None
+        if floor is not None:
             bps, stands_for_s = floor, self.min_duration_s + credit_s
         else:
-            if self.burst is not None:
-                self.burst.observe(sample.t_s, sample.bytes * 8.0, on_link, idle_s)
             bps, stands_for_s = sample.bytes * 8.0 / (on_link + credit_s), on_link + credit_s
+        if floor is not None or sample.floor_only:
+            predicted = self.predict_bps()
+            if predicted is not None and predicted >= bps:
+                self.ignored += 1
+                return None
+        elif self.burst is not None:
+            self.burst.observe(sample.t_s, sample.bytes * 8.0, on_link, idle_s)
         self.used += 1
         self.last_measured_bps = bps
         self.last_t_s = sample.t_s

@@ -195,3 +195,49 @@ def test_a_frame_gives_a_transfer_only_when_its_one_call_finished():
     s.executed_mode = "lop"
     s.add_call(0.2, 0.3, 0.01, 1_000, 1_000)    # two requests overlapping the robot's work
     assert bw.frame_transfer(s, 10.0) is None
+
+
+def test_a_frame_beside_background_work_gives_only_a_floor_of_the_rate():
+    from types import SimpleNamespace
+
+    from robot_offload.stats import FrameStats
+    s = FrameStats()
+    s.add_call(0.0, 0.2, 0.05, 100_000, 4_000)
+    s.executed_mode = "full_offload"
+    assert not bw.frame_transfer(s, 10.0).floor_only
+    s.extra["background"] = True          # the client marks such frames (client._run)
+    assert bw.frame_transfer(s, 10.0).floor_only
+
+    def msg(detail_json):                  # an InferenceStats message, a bench row
+        return SimpleNamespace(round_trips=1, transfer_s=0.1, executed_mode="auto", bytes_up=150_528,
+                               bytes_down=4_000, detail_json=detail_json)
+    assert bw.frame_transfer(msg('{"auto": {"x": 1}, "background": true}'), 1.0).floor_only
+    for text in ("{}", "", '{"background": false}', '{"note": "\\"background\\""}', '{"background": tr',
+                 '["background"]', None):
+        assert not bw.frame_transfer(msg(text), 1.0).floor_only, text
+
+
+def test_a_floor_only_transfer_raises_the_estimate_but_never_lowers_it():
+    est = bw.PassiveEstimator(bw.LastValue(), min_duration_s=0.0)
+    # the first transfer of all: nothing to compare with, its rate is the best there is
+    assert est.add(bw.TransferSample(1.0, 1_000_000, 0.8, floor_only=True)) == pytest.approx(1e7)
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 0.2)) == pytest.approx(4e7)
+    # stalled on the robot: 1 MB in 0.8 s says the link does at least 10 Mbit/s
+    assert est.add(bw.TransferSample(3.0, 1_000_000, 0.8, floor_only=True)) is None
+    assert est.predict_bps() == pytest.approx(4e7)
+    assert est.ignored == 1
+    # ... and one of 0.1 s, that it does at least 80: more than the estimate
+    assert est.add(bw.TransferSample(4.0, 1_000_000, 0.1, floor_only=True)) == pytest.approx(8e7)
+    assert est.predict_bps() == pytest.approx(8e7)
+    # a clean transfer may lower it as before
+    assert est.add(bw.TransferSample(5.0, 1_000_000, 0.4)) == pytest.approx(2e7)
+
+
+def test_a_floor_only_transfer_teaches_no_burst():
+    est = bw.PassiveEstimator(bw.LastValue(), burst="learn")
+    for i in range(8):     # pairs of different sizes close in time: what the burst learns from
+        est.add(bw.TransferSample(0.1 * i + 0.05, 600_000 if i % 2 else 150_000,
+                                  0.2 if i % 2 else 0.06, floor_only=True))
+    assert est.burst._prev is None and not est.burst._pairs and not est.burst._sized
+    est.add(bw.TransferSample(1.0, 150_000, 0.06))
+    assert est.burst._prev is not None      # a clean one would have

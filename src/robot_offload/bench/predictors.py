@@ -96,8 +96,8 @@ def _estimator(spec, burst, rtt_s=()):
 def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rtt_s=(),
                        burst="learn"):
     """{horizon: (predicted, actual)}: a :class:`PassiveEstimator` with predictor ``spec``
-    (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes)], real time) in the
-    order they ended; at each of ``instants`` ([(real time, trace position)]) its
+    (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes[, floor_only])], real
+    time, see :class:`TransferSample`) in the order they ended; at each of ``instants`` ([(real time, trace position)]) its
     prediction against the mean rate the trace set over the next ``h`` from that position
     (instants before the first prediction, or whose horizon runs past the trace, skipped)."""
     transfers = sorted(transfers, key=lambda x: x[1])
@@ -106,8 +106,8 @@ def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rt
     j = 0
     for t, pos in sorted(instants):
         while j < len(transfers) and transfers[j][1] <= t:
-            t0, t1, nbytes = transfers[j]
-            est.add(TransferSample(t1, int(nbytes), t1 - t0))
+            t0, t1, nbytes, *floor_only = transfers[j]
+            est.add(TransferSample(t1, int(nbytes), t1 - t0, floor_only=bool(floor_only and floor_only[0])))
             j += 1
         p = est.predict_bps()
         if p is None:

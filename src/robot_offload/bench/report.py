@@ -344,16 +344,18 @@ REPLAYS = (("last", "last", None), ("harmonic(5)", "harmonic(5)", None),
 
 
 def _frame_transfer(row):
-    """(start, end, bytes) of the one call a bench frame row made, or None (see
+    """(start, end, bytes, floor_only) of the one call a bench frame row made, or None (see
     :func:`robot_offload.bandwidth.frame_transfer`)."""
     try:     # numbers, or the strings of a frames.csv
         stats = SimpleNamespace(round_trips=int(float(row["round_trips"])),
                                 transfer_s=float(row["transfer_s"]), executed_mode=row["executed_mode"],
-                                bytes_up=int(float(row["bytes_up"])), bytes_down=int(float(row["bytes_down"])))
+                                bytes_up=int(float(row["bytes_up"])), bytes_down=int(float(row["bytes_down"])),
+                                detail_json=row.get("detail_json") or "")
         sample = frame_transfer(stats, float(row["t_s"]) + float(row["latency_s"]))
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
-    return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes)
+    return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes,
+                                        sample.floor_only)
 
 
 def _finite(v):
