@@ -493,8 +493,13 @@ class PassiveEstimator:
     """
 
     def __init__(self, predictor=None, *, min_bytes=MIN_TRANSFER_BYTES, rtt_gain=0.125,
-                 min_effective_fraction=0.1, min_duration_s=MIN_TRANSFER_S, burst=None):
+                 min_effective_fraction=0.1, min_duration_s=MIN_TRANSFER_S, burst=None,
+                 floors_to_lower=3):
         self.predictor = predictor if predictor is not None else make_predictor()
+        if int(floors_to_lower) < 1:
+            raise ValueError(f"floors_to_lower must be >= 1, got {floors_to_lower!r}")
+        self.floors_to_lower = int(floors_to_lower)
+        self._floors_below = []          # rates of the floor-only transfers below the prediction since the last fed
         self.min_bytes = int(min_bytes)
         self.min_duration_s = float(min_duration_s)
         if not self.min_duration_s >= 0:
@@ -585,7 +590,10 @@ class PassiveEstimator:
         monitor said 5.8 Mbit/s for a whole 100 Mbit/s run.
 
         A ``floor_only`` sample is a floor too: fed only when the prediction is below the
-        rate it shows (or there is none yet), and it teaches no burst."""
+        rate it shows (or there is none yet), and it teaches no burst. But when
+        ``floors_to_lower`` of them show less than the prediction with no rate fed between,
+        the highest of them is fed: the link does at least that, and an estimate may not outlive a real
+        drop for as long as the robot plans (seconds, with no clean frame)."""
         on_link = self._time_less_rtt_s(sample, rtt_s)
         idle_s = self._idle_s(sample)
         credit_s = self._credit_s(sample)
@@ -603,10 +611,15 @@ class PassiveEstimator:
         if floor is not None or sample.floor_only:
             predicted = self.predict_bps()
             if predicted is not None and predicted >= bps:
-                self.ignored += 1
-                return None
+                if floor is None:
+                    self._floors_below.append((bps, stands_for_s))
+                if len(self._floors_below) < self.floors_to_lower:
+                    self.ignored += 1
+                    return None
+                bps, stands_for_s = max(self._floors_below)
         elif self.burst is not None:
             self.burst.observe(sample.t_s, sample.bytes * 8.0, on_link, idle_s)
+        self._floors_below.clear()
         self.used += 1
         self.last_measured_bps = bps
         self.last_t_s = sample.t_s

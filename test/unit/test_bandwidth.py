@@ -241,3 +241,23 @@ def test_a_floor_only_transfer_teaches_no_burst():
     assert est.burst._prev is None and not est.burst._pairs and not est.burst._sized
     est.add(bw.TransferSample(1.0, 150_000, 0.06))
     assert est.burst._prev is not None      # a clean one would have
+
+
+def test_floor_only_transfers_below_the_estimate_lower_it_to_their_highest_once_three_agree():
+    est = bw.PassiveEstimator(bw.LastValue(), min_duration_s=0.0)
+    est.add(bw.TransferSample(1.0, 1_000_000, 0.08))                      # 100 Mbit/s
+    # the link fell to ~5 Mbit/s while the robot planned: every frame is floor-only
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 1.6, floor_only=True)) is None
+    assert est.add(bw.TransferSample(3.0, 1_000_000, 2.0, floor_only=True)) is None
+    assert est.predict_bps() == pytest.approx(1e8)
+    assert est.add(bw.TransferSample(4.0, 1_000_000, 1.7, floor_only=True)) == pytest.approx(5e6)
+    assert est.predict_bps() == pytest.approx(5e6)            # the highest of the three
+    # a rate fed in between starts the count again
+    est.add(bw.TransferSample(5.0, 1_000_000, 0.08))
+    for t in (6.0, 7.0):
+        assert est.add(bw.TransferSample(t, 1_000_000, 1.6, floor_only=True)) is None
+    est.add(bw.TransferSample(7.5, 1_000_000, 0.05, floor_only=True))     # above: fed (160)
+    assert est.add(bw.TransferSample(8.0, 1_000_000, 1.6, floor_only=True)) is None
+    assert est.predict_bps() == pytest.approx(1.6e8)
+    with pytest.raises(ValueError, match="floors_to_lower"):
+        bw.PassiveEstimator(floors_to_lower=0)
