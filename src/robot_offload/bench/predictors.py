@@ -65,13 +65,16 @@ def mean_rate(trace, t0_s, t1_s):
 
 
 def score_online(pred, actual):
-    """n, MAE, MAPE (over actual rates of at least MAPE_FLOOR_BPS) and bias of predictions."""
+    """n, MAE, MAPE (over actual rates of at least MAPE_FLOOR_BPS), bias, and the share of
+    predictions below half the actual rate (%; a false drop: what sends a choice to the
+    robot for nothing) of predictions."""
     pred, actual = np.asarray(pred, float), np.asarray(actual, float)
     err = pred - actual
     ok = actual >= MAPE_FLOOR_BPS
     return {"n": int(err.size), "mae_bps": float(np.mean(np.abs(err))) if err.size else float("nan"),
             "mape_pct": float(100 * np.mean(np.abs(err[ok]) / actual[ok])) if ok.any() else float("nan"),
-            "bias_bps": float(np.mean(err)) if err.size else float("nan")}
+            "bias_bps": float(np.mean(err)) if err.size else float("nan"),
+            "below_half_pct": float(100 * np.mean(pred < 0.5 * actual)) if err.size else float("nan")}
 
 
 def offline_rows(trace, specs=PREDICTORS, horizons=HORIZONS_S):

@@ -372,9 +372,9 @@ def frames_online_table(frames, traces, horizons=HORIZONS_S, replays=REPLAYS) ->
     used (``predicted_bandwidth_bps``), and the frames' own transfers replayed through
     :class:`~robot_offload.bandwidth.PassiveEstimator` with other predictors
     (``replays``), against the mean rate the trace set over the next ``h`` from where the
-    frame started (:func:`_trace_time`; a repeated trace wraps). MAE Mbit/s at each horizon
-    and MAPE % at the first. ``frames``: rows in memory or of a frames.csv (lost ones
-    skipped)."""
+    frame started (:func:`_trace_time`; a repeated trace wraps). MAE Mbit/s at each horizon;
+    at the first, MAPE % and the share of estimates below half the rate. ``frames``: rows
+    in memory or of a frames.csv (lost ones skipped)."""
     by_name = {t.name: t for t in traces}
     cols = ["used by the frames"] + [name for name, _, _ in replays]
     kept = [r for r in frames if r.get("lost") not in (True, "True")]
@@ -409,9 +409,10 @@ def frames_online_table(frames, traces, horizons=HORIZONS_S, replays=REPLAYS) ->
         for c in cols:
             sc = [score_online(*cell[c][h]) for h in horizons]
             out.append("-" if not sc[0]["n"] else " / ".join(f"{x['mae_bps'] / 1e6:.1f}" for x in sc)
-                       + f" ({sc[0]['mape_pct']:.0f} %)")
+                       + f" ({sc[0]['mape_pct']:.0f} %, {sc[0]['below_half_pct']:.0f} %)")
         lines.append(f"| {name} | " + " | ".join(out) + " |")
-    return (f"MAE Mbit/s {hs} ms ahead (MAPE at {1e3 * horizons[0]:g} ms), at each frame's "
+    return (f"MAE Mbit/s {hs} ms ahead (MAPE, and the share of frames whose estimate was "
+            f"below half the rate: a false drop, at {1e3 * horizons[0]:g} ms), at each frame's "
             "start, against the mean rate the trace set from there.\n\n" + "\n".join(lines))
 
 
