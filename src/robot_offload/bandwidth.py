@@ -4,8 +4,9 @@ Pure (no rospy, no sockets). Rates are bit/s of goodput.
 
 - :class:`TransferSample` + :class:`PassiveEstimator`: every real transfer the client makes
   (bytes, how long it took) becomes a measured rate; transfers too small or too short to
-  show the link's rate are ignored, one round trip is taken off the duration when an RTT
-  estimate is known, and (opt-in) what the link let through at line rate after an idle
+  show the link's rate are ignored, so are transfers the robot stalled during (a frame
+  beside background planning) unless they show more than the estimate, one round trip is
+  taken off the duration when an RTT estimate is known, and (opt-in) what the link let through at line rate after an idle
   moment (a shaper's bucket, learned by :class:`LinkBurst`) is added back.
 - Predictors share one interface (``update(t_s, measured_bps, duration_s=None)``,
   ``predict()``, ``reset()``, ``name``): :class:`KalmanLevel` (weighs each sample by how
@@ -487,6 +488,9 @@ class PassiveEstimator:
     nothing); a robot's frames also carry its own stalls (a CPU quota, planning beside
     them), and from those a bench run learned 85-100 ms on a 20 ms bucket and held a
     100 Mbit/s link at 13 Mbit/s.
+
+    A ``floor_only`` transfer (the robot stalled during it: see :func:`frame_transfer`) is
+    taken as a floor of the rate, as a burst is (see :meth:`add`).
 
     The predictor gets each rate with the time it stands for (on the link plus the
     credit). The default predictor is :data:`DEFAULT_PREDICTOR`.
