@@ -498,12 +498,15 @@ class PassiveEstimator:
 
     def __init__(self, predictor=None, *, min_bytes=MIN_TRANSFER_BYTES, rtt_gain=0.125,
                  min_effective_fraction=0.1, min_duration_s=MIN_TRANSFER_S, burst=None,
-                 floors_to_lower=3):
+                 floors_to_lower=3, drops_to_lower=2, drop_fraction=0.5):
         self.predictor = predictor if predictor is not None else make_predictor()
-        if int(floors_to_lower) < 1:
-            raise ValueError(f"floors_to_lower must be >= 1, got {floors_to_lower!r}")
-        self.floors_to_lower = int(floors_to_lower)
-        self._floors_below = []          # rates of the floor-only transfers below the prediction since the last fed
+        if not (int(floors_to_lower) >= 1 and int(drops_to_lower) >= 1 and 0 < drop_fraction <= 1):
+            raise ValueError("need floors_to_lower >= 1, drops_to_lower >= 1 and 0 < drop_fraction <= 1")
+        self.floors_to_lower, self.drops_to_lower = int(floors_to_lower), int(drops_to_lower)
+        self.drop_fraction = float(drop_fraction)
+        # (rate, time it stands for, how many such samples lower the estimate) of the
+        # samples since the last rate fed that said the link is much slower (see add)
+        self._below = []
         self.min_bytes = int(min_bytes)
         self.min_duration_s = float(min_duration_s)
         if not self.min_duration_s >= 0:
@@ -594,10 +597,14 @@ class PassiveEstimator:
         monitor said 5.8 Mbit/s for a whole 100 Mbit/s run.
 
         A ``floor_only`` sample is a floor too: fed only when the prediction is below the
-        rate it shows (or there is none yet), and it teaches no burst. But when
-        ``floors_to_lower`` of them show less than the prediction with no rate fed between,
-        the highest of them is fed: the link does at least that, and an estimate may not outlive a real
-        drop for as long as the robot plans (seconds, with no clean frame)."""
+        rate it shows (or there is none yet), and it teaches no burst. A clean sample that
+        shows less than ``drop_fraction`` of the prediction is not fed alone either. Once
+        ``drops_to_lower`` such samples (``floors_to_lower`` when all are floor-only, which
+        come in runs while the robot plans) have come with no rate fed between, the
+        highest of them is fed: the link does at least that. One transfer that stalled
+        (a GC pause, a radio's retries) moved ``auto`` off the image offload of a 100
+        Mbit/s link for five frames; a real drop costs one frame more to follow (BBR keeps
+        the highest delivery rate of the last round trips for the same reason)."""
         on_link = self._time_less_rtt_s(sample, rtt_s)
         idle_s = self._idle_s(sample)
         credit_s = self._credit_s(sample)
@@ -612,18 +619,21 @@ class PassiveEstimator:
             bps, stands_for_s = floor, self.min_duration_s + credit_s
         else:
             bps, stands_for_s = sample.bytes * 8.0 / (on_link + credit_s), on_link + credit_s
-        if floor is not None or sample.floor_only:
-            predicted = self.predict_bps()
-            if predicted is not None and predicted >= bps:
-                if floor is None:
-                    self._floors_below.append((bps, stands_for_s))
-                if len(self._floors_below) < self.floors_to_lower:
+        if floor is None and not sample.floor_only and self.burst is not None:
+            self.burst.observe(sample.t_s, sample.bytes * 8.0, on_link, idle_s)
+        predicted = self.predict_bps()
+        if predicted is not None:
+            if floor is not None and predicted >= bps:
+                self.ignored += 1        # a burst below the estimate: says nothing new
+                return None
+            if bps < predicted * (1.0 if sample.floor_only else self.drop_fraction):
+                self._below.append((bps, stands_for_s,
+                                    self.floors_to_lower if sample.floor_only else self.drops_to_lower))
+                if len(self._below) < min(n for _, _, n in self._below):
                     self.ignored += 1
                     return None
-                bps, stands_for_s = max(self._floors_below)
-        elif self.burst is not None:
-            self.burst.observe(sample.t_s, sample.bytes * 8.0, on_link, idle_s)
-        self._floors_below.clear()
+                bps, stands_for_s, _ = max(self._below)
+        self._below.clear()
         self.used += 1
         self.last_measured_bps = bps
         self.last_t_s = sample.t_s

@@ -229,8 +229,27 @@ def test_a_floor_only_transfer_raises_the_estimate_but_never_lowers_it():
     # ... and one of 0.1 s, that it does at least 80: more than the estimate
     assert est.add(bw.TransferSample(4.0, 1_000_000, 0.1, floor_only=True)) == pytest.approx(8e7)
     assert est.predict_bps() == pytest.approx(8e7)
-    # a clean transfer may lower it as before
-    assert est.add(bw.TransferSample(5.0, 1_000_000, 0.4)) == pytest.approx(2e7)
+    # a clean transfer lowers it at once, by up to half
+    assert est.add(bw.TransferSample(5.0, 1_000_000, 0.2)) == pytest.approx(4e7)
+
+
+def test_a_clean_transfer_far_below_the_estimate_lowers_it_only_when_the_next_agrees():
+    est = bw.PassiveEstimator(bw.LastValue(), min_duration_s=0.0)
+    est.add(bw.TransferSample(1.0, 1_000_000, 0.08))                      # 100 Mbit/s
+    # one transfer stalled (a GC pause, a radio's retries): 20 Mbit/s, alone
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 0.4)) is None
+    assert est.predict_bps() == pytest.approx(1e8)
+    assert est.add(bw.TransferSample(3.0, 1_000_000, 0.09)) == pytest.approx(8e6 / 0.09)
+    # a real drop: the second transfer far below confirms it; the higher of the two is fed
+    assert est.add(bw.TransferSample(4.0, 1_000_000, 1.6)) is None
+    assert est.add(bw.TransferSample(5.0, 1_000_000, 2.0)) == pytest.approx(5e6)
+    assert est.predict_bps() == pytest.approx(5e6)
+    # with drops_to_lower=1 every clean transfer counts at once, as with no rule
+    est = bw.PassiveEstimator(bw.LastValue(), min_duration_s=0.0, drops_to_lower=1)
+    est.add(bw.TransferSample(1.0, 1_000_000, 0.08))
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 0.4)) == pytest.approx(2e7)
+    with pytest.raises(ValueError, match="drop_fraction"):
+        bw.PassiveEstimator(drop_fraction=0)
 
 
 def test_a_floor_only_transfer_teaches_no_burst():
@@ -261,3 +280,8 @@ def test_floor_only_transfers_below_the_estimate_lower_it_to_their_highest_once_
     assert est.predict_bps() == pytest.approx(1.6e8)
     with pytest.raises(ValueError, match="floors_to_lower"):
         bw.PassiveEstimator(floors_to_lower=0)
+    # a clean transfer far below the estimate among floor-only ones: two lower it
+    est = bw.PassiveEstimator(bw.LastValue(), min_duration_s=0.0)
+    est.add(bw.TransferSample(1.0, 1_000_000, 0.08))
+    assert est.add(bw.TransferSample(2.0, 1_000_000, 1.6, floor_only=True)) is None
+    assert est.add(bw.TransferSample(3.0, 1_000_000, 2.0)) == pytest.approx(5e6)

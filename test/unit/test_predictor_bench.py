@@ -180,29 +180,28 @@ def test_a_bench_runs_estimates_are_scored_against_the_trace():
 
 
 def test_frames_beside_background_work_replay_as_floors_and_a_false_drop_is_counted():
-    """Every third frame on a 10 Mbit/s link stalled on the robot (a call 4x as long,
-    marked ``background``): replayed as rates they would read 2.5 Mbit/s, a false drop
-    for the frame after each; as floors the estimate stays at the rate. The estimate
-    those frames used (read 2.5 after each stall) counts a third below half the rate."""
+    """Two frames in every three on a 10 Mbit/s link stalled on the robot (calls 4x as
+    long, marked ``background``): replayed as rates, two in a row would confirm a drop to
+    2.5 Mbit/s; as floors (three needed) the estimate stays at the rate. The estimate those
+    frames used (read 2.5 after each stall) counts two thirds below half the rate."""
     trace = traces.constant(10 * MBIT, 60.0)
     rows = _bench_frames(trace, 10 * MBIT)
     calls = [r for r in rows if r["round_trips"] == 1]
     for i, r in enumerate(calls):
-        if i % 3 == 1:
+        if i % 3:
             r["transfer_s"] *= 4
             r["detail_json"] = json.dumps({"background": True})
-        if i % 3 == 2:
             r["predicted_bandwidth_bps"] = 2.5 * MBIT
-    text = bench_report.frames_online_table(rows, [trace])
-    row = next(line for line in text.splitlines() if line.startswith("| const10M |"))
-    cells = [c.strip() for c in row.strip("|").split("|")][1:]
-    assert cells[0] == "2.5 / 2.5 (25 %, 33 %)"
-    assert cells[1] == "0.0 / 0.0 (0 %, 0 %)", cells
+
+    def cells():
+        text = bench_report.frames_online_table(rows, [trace])
+        row = next(line for line in text.splitlines() if line.startswith("| const10M |"))
+        return [c.strip() for c in row.strip("|").split("|")][1:]
+    assert cells()[0] == "5.0 / 5.0 (50 %, 67 %)"
+    assert cells()[1] == "0.0 / 0.0 (0 %, 0 %)", cells()
     for r in calls:                     # unmarked, the same calls replay as false drops
         r.pop("detail_json", None)
-    row = next(line for line in bench_report.frames_online_table(rows, [trace]).splitlines()
-               if line.startswith("| const10M |"))
-    last = [c.strip() for c in row.strip("|").split("|")][2]       # e.g. "2.4 / 2.4 (24 %, 32 %)"
+    last = cells()[1]                   # e.g. "2.4 / 2.4 (24 %, 32 %)"
     assert float(last.split()[0]) > 2 and int(last.split()[-2]) >= 30, last
 
 

@@ -87,10 +87,10 @@ def offline_rows(trace, specs=PREDICTORS, horizons=HORIZONS_S):
     return out
 
 
-def _estimator(spec, burst, rtt_s=()):
-    """A :class:`PassiveEstimator` with predictor ``spec`` and ``burst``, that has seen the
-    RTTs ``rtt_s`` (s)."""
-    est = PassiveEstimator(make_predictor(spec), burst=burst)
+def _estimator(spec, burst, rtt_s=(), **kwargs):
+    """A :class:`PassiveEstimator` with predictor ``spec`` and ``burst`` (and ``kwargs``),
+    that has seen the RTTs ``rtt_s`` (s)."""
+    est = PassiveEstimator(make_predictor(spec), burst=burst, **kwargs)
     for rtt in rtt_s:
         est.observe_rtt(rtt)
     return est
@@ -145,7 +145,8 @@ def measurement_bias(log, trace):
     transfers = sorted((tuple(x) for x in log["transfers"]), key=lambda x: x[1])
     out = {}
     for key, burst in (("learned", "learn"), ("raw", None)):
-        est = _estimator("last", burst, log.get("rtt_s", []))
+        # every sample as it reads: none waits for a second to confirm a drop
+        est = _estimator("last", burst, log.get("rtt_s", []), drops_to_lower=1)
         ratios, bursts = [], []
         for t0, t1, up, down in transfers:
             bps = est.add(TransferSample(t1, int(up + down), t1 - t0))
