@@ -67,7 +67,7 @@ def mean_rate(trace, t0_s, t1_s):
 def score_online(pred, actual):
     """n, MAE, MAPE (over actual rates of at least MAPE_FLOOR_BPS), bias, and the share of
     predictions below half the actual rate (%; a false drop: what sends a choice to the
-    robot for nothing) of predictions."""
+    robot for nothing)."""
     pred, actual = np.asarray(pred, float), np.asarray(actual, float)
     err = pred - actual
     ok = actual >= MAPE_FLOOR_BPS
@@ -100,9 +100,10 @@ def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rt
                        burst="learn"):
     """{horizon: (predicted, actual)}: a :class:`PassiveEstimator` with predictor ``spec``
     (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes[, floor_only])], real
-    time, see :class:`TransferSample`) in the order they ended; at each of ``instants`` ([(real time, trace position)]) its
-    prediction against the mean rate the trace set over the next ``h`` from that position
-    (instants before the first prediction, or whose horizon runs past the trace, skipped)."""
+    time, see :class:`TransferSample`) in the order they ended; at each of ``instants``
+    ([(real time, trace position)]) its prediction against the mean rate the trace set over
+    the next ``h`` from that position (instants before the first prediction, or whose
+    horizon runs past the trace, skipped)."""
     transfers = sorted(transfers, key=lambda x: x[1])
     est = _estimator(spec, burst, rtt_s)
     out = {h: ([], []) for h in horizons}
