@@ -600,12 +600,15 @@ class PassiveEstimator:
         A ``floor_only`` sample is a floor too: fed only when the prediction is below the
         rate it shows (or there is none yet), and it teaches no burst. A clean sample that
         shows less than ``drop_fraction`` of the prediction is not fed alone either. Once
-        ``drops_to_lower`` such samples (``floors_to_lower`` when all are floor-only, which
-        come in runs while the robot plans) have come with no rate fed between, the
-        highest of them is fed: the link does at least that. One transfer that stalled
-        (a GC pause, a radio's retries) moved ``auto`` off the image offload of a 100
-        Mbit/s link for five frames; a real drop costs one frame more to follow (BBR keeps
-        the highest delivery rate of the last round trips for the same reason)."""
+        ``drops_to_lower`` such samples have come with no rate fed between, the latest
+        clean one is fed (the link did drop, and an earlier one may straddle the change);
+        when all are floor-only (they come in runs while the robot plans), it takes
+        ``floors_to_lower`` of them, and the highest is fed: the link does at least that.
+        One transfer that stalled (a GC pause, a radio's retries) moved ``auto`` off the
+        image offload of a 100 Mbit/s link for five frames; a real drop costs one transfer
+        more to follow (BBR keeps the highest delivery rate of the last round trips for
+        the same reason). A sample held so is still the last measured rate
+        (``last_measured_bps``), and counts as ignored until it is fed."""
         on_link = self._time_less_rtt_s(sample, rtt_s)
         idle_s = self._idle_s(sample)
         credit_s = self._credit_s(sample)
@@ -628,12 +631,13 @@ class PassiveEstimator:
                 self.ignored += 1        # a burst below the estimate: says nothing new
                 return None
             if bps < predicted * (1.0 if sample.floor_only else self.drop_fraction):
-                self._below.append((bps, stands_for_s,
-                                    self.floors_to_lower if sample.floor_only else self.drops_to_lower))
-                if len(self._below) < min(n for _, _, n in self._below):
+                self._below.append((bps, stands_for_s, sample.floor_only))
+                self.last_measured_bps, self.last_t_s = bps, sample.t_s    # measured, not fed yet
+                clean = [x for x in self._below if not x[2]]
+                if len(self._below) < (self.drops_to_lower if clean else self.floors_to_lower):
                     self.ignored += 1
                     return None
-                bps, stands_for_s, _ = max(self._below)
+                bps, stands_for_s, _ = clean[-1] if clean else max(self._below)
         self._below.clear()
         self.used += 1
         self.last_measured_bps = bps

@@ -85,6 +85,10 @@ def test_monitor_follows_rate_change_and_energy_in_stats(tmp_path):
         assert any(bps < 20e6 for _, bps in soon), soon
         assert any(6e6 < bps < 14e6 for dt, bps in est if dt <= 3.0), est
         assert before > 3 * min(bps for _, bps in soon), (before, soon)
+        # the forecast clients use follows too: a drop under half lowers it once a second
+        # transfer agrees (PassiveEstimator.add)
+        predicted = [(t - t_change, float(r["field.predicted_bps"])) for t, r in after]
+        assert any(bps < 20e6 for dt, bps in predicted if dt <= 3.0), predicted
         stat_rows = [r for _, r in stats.rows(time.monotonic() + 3)]
         power_rows = [r for _, r in power.rows(time.monotonic() + 2)]
         assert stat_rows and power_rows
