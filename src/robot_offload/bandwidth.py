@@ -83,9 +83,9 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
 
     A frame that ran beside background work on the robot (planning; ``background`` in its
     details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
-    waited for the robot's CPU too. On the testbed's 100 Mbit/s and outdoor links such
-    frames read a median of 60-62 Mbit/s where the others read 440-460, and as rates
-    they sent ``auto`` off the image offload for frames that took 2-5x as long."""
+    waited for the robot's CPU too. On the testbed's fast links such frames read medians
+    2-9x below the others', and as rates they sent ``auto`` off the image offload for
+    frames that took 2-5x as long."""
     if stats.round_trips != 1 or not stats.transfer_s > 0 or stats.executed_mode == "local":
         return None
     return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s,
