@@ -505,8 +505,8 @@ class PassiveEstimator:
             raise ValueError("need floors_to_lower >= 1, drops_to_lower >= 1 and 0 < drop_fraction <= 1")
         self.floors_to_lower, self.drops_to_lower = int(floors_to_lower), int(drops_to_lower)
         self.drop_fraction = float(drop_fraction)
-        # (rate, time it stands for, how many such samples lower the estimate) of the
-        # samples since the last rate fed that said the link is much slower (see add)
+        # (rate, time it stands for, floor_only) of the samples since the last rate fed
+        # that said the link is much slower, held until others agree (see add)
         self._below = []
         self.min_bytes = int(min_bytes)
         self.min_duration_s = float(min_duration_s)
