@@ -79,15 +79,30 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
     ending at ``end_s``, or None when they measured none: a frame of several requests
     (``lop``'s spatial schedules, op by op) overlaps its transfers with computing, so bytes
     over transfer time is no rate of the link; and a hedge the robot answered
-    (``executed_mode`` ``local`` with a round trip) left its call unfinished.
+    (``executed_mode`` ``local`` with a round trip) left its call unfinished -- unless the
+    robot started because the upload had stalled: then the bytes the server's host had
+    acknowledged by then, over that time, are the sample (``hedge.upload`` in the
+    details, see :mod:`robot_offload.local_hedge`; under ``min_bytes`` it is ignored, as
+    any transfer that small).
 
     A frame that ran beside background work on the robot (planning; ``background`` in its
     details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
     waited for the robot's CPU too. On the testbed's fast links such frames read medians
     2-9x below the others', and as rates they sent ``auto`` off the image offload for
     frames that took 2-5x as long."""
-    if stats.round_trips != 1 or not stats.transfer_s > 0 or stats.executed_mode == "local":
+    if stats.round_trips != 1 or not stats.transfer_s > 0:
         return None
+    if stats.executed_mode == "local":
+        hedge = _details(stats).get("hedge")
+        upload = hedge.get("upload") if isinstance(hedge, dict) else None
+        try:
+            acked, after_s = int(upload["acked_bytes"]), float(upload["after_ms"]) / 1e3
+        except (TypeError, KeyError, ValueError):
+            return None
+        if acked <= 0 or not after_s > 0:
+            return None
+        return TransferSample(t_s=end_s, bytes=acked, duration_s=after_s,
+                              floor_only=ran_beside_background(stats))
     return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s,
                           floor_only=ran_beside_background(stats))
 
@@ -100,13 +115,23 @@ def ran_beside_background(stats) -> bool:
     if isinstance(extra, dict):
         return bool(extra.get("background"))
     text = getattr(stats, "detail_json", "")
-    if not isinstance(text, str) or '"background"' not in text:
-        return False
+    return isinstance(text, str) and '"background"' in text and _details(stats).get("background") is True
+
+
+def _details(stats) -> dict:
+    """A frame's details: ``extra`` of a ``FrameStats``, the parsed ``detail_json`` of an
+    ``InferenceStats`` message or a bench row ({} when neither holds a dict)."""
+    extra = getattr(stats, "extra", None)
+    if isinstance(extra, dict):
+        return extra
+    text = getattr(stats, "detail_json", "")
+    if not isinstance(text, str) or not text:
+        return {}
     try:
         detail = json.loads(text)
     except ValueError:
-        return False
-    return isinstance(detail, dict) and detail.get("background") is True
+        return {}
+    return detail if isinstance(detail, dict) else {}
 
 
 @dataclass(frozen=True)

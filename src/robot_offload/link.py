@@ -139,6 +139,11 @@ class ServerLink:
         response, whose status the caller checks (``raise_for_status``)."""
         return self.transport.submit("compute", request, timeout_s)
 
+    def upload_acked(self, request: ComputeRequest) -> Optional[int]:
+        """Bytes of ``request`` (in flight, from :meth:`submit`) the server's host has
+        acknowledged so far, or None where the transport cannot tell."""
+        return self.transport.upload_acked(request.request_id) if request.request_id else None
+
     def query_load(self, timeout_s: float) -> float:
         """The server's wait for a compute slot now (s, as it reports it), by a plain
         ping. Raises TransportError / RemoteError."""

@@ -19,6 +19,14 @@ the server would otherwise start beside every slightly late call and finish abou
 its answer comes). It must fit what is left of the deadline, and hedges at most
 ``hedge_budget`` of the calls (over the last :data:`BUDGET_WINDOW`), so that a server
 slow for good costs the robot a bounded share of its CPU before the frames fall back.
+
+It starts sooner when the link fades under the upload: where the transport can tell how
+much of the request the server's host has acknowledged (:meth:`ServerLink.upload_acked`,
+from the kernel's TCP counters), the robot watches the upload every :data:`POLL_S`, and
+once the rate of the last :data:`STALL_WINDOW_S` would take longer to send what is left
+than the robot takes for the whole frame, it starts then (``hedge.upload`` in the frame's
+details: the bytes acknowledged and after how long). A fade that begins during a frame
+then costs about the robot's own time, not that plus twice it.
 """
 
 import collections
@@ -42,6 +50,10 @@ from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 LOCAL_WINDOW = 9
 #: the robot starts no sooner than when its work is this share of the frame's wait
 LOCAL_SHARE = 0.5
+#: how often a late-able call's upload is read (s)
+POLL_S = 0.025
+#: an upload's rate is read over at least this much of its latest progress (s)
+STALL_WINDOW_S = 0.1
 
 
 class LocalHedge:
@@ -72,18 +84,24 @@ class LocalHedge:
         round trips and ``local_s / LOCAL_SHARE``; or None: not hedged (too few round
         trips of that kind measured, no local forward measured, no time left for the
         robot's work, or the budget spent)."""
+        plan = self._plan(key, remaining_s, local_s)
+        return None if plan is None else plan[0]
+
+    def _plan(self, key: str, remaining_s: float, local_s: Optional[float]):
+        """``(late_s, local_s)`` for :meth:`call`: when the call is late (None: waiting
+        that long leaves the robot no time) and the robot's work; or None: not hedged
+        (too few round trips of that kind, no local forward measured, no time left for
+        the robot's work even now, or the budget spent)."""
         with self._lock:
             trips = sorted(self._round_trips.get(key, ()))
             if local_s is None:
                 local_s = statistics.median(self._local_s) if self._local_s else None
-            if len(trips) < MIN_SAMPLES or local_s is None:
-                return None
-            late_s = max(percentile_of(trips, self.percentile), local_s / LOCAL_SHARE)
-            if late_s + local_s > remaining_s:
+            if len(trips) < MIN_SAMPLES or local_s is None or local_s > remaining_s:
                 return None
             if not budget_allows(self._hedged, self.budget):
                 return None
-            return late_s
+            late_s = max(percentile_of(trips, self.percentile), local_s / LOCAL_SHARE)
+            return (late_s if late_s + local_s <= remaining_s else None), local_s
 
     def count(self, hedged: bool, winner: str = "") -> None:
         """One call: whether the robot hedged it, and who answered first."""
@@ -103,9 +121,9 @@ class LocalHedge:
         when ``answered()`` turned true first, and accounts its robot time in ``stats``;
         the server's copy is cancelled). ``local_s``: as for :meth:`delay_s`; when None,
         the time ``compute_locally`` took is a sample of the whole model's."""
-        delay = self.delay_s(key, timeout_s, local_s)
+        plan = self._plan(key, timeout_s, local_s)
         sent = time.perf_counter()
-        if delay is None:
+        if plan is None:
             response = link.compute(request, timeout_s)
             self.observe_round_trip(key, time.perf_counter() - sent)
             self.count(False)
@@ -113,15 +131,19 @@ class LocalHedge:
         request = dataclasses.replace(request, request_id=secrets.token_hex(8))
         deadline = link.clock() + timeout_s
         future = link.submit(request, timeout_s)
+        upload = _Upload(request.payload_bytes)
         with background.GATE.waiting():
-            concurrent.futures.wait([future], timeout=delay)
-        if future.done():
+            start = _wait_until_late(future, lambda: link.upload_acked(request), upload, sent,
+                                     *plan, timeout_s)
+        if not start:
             self.count(False)
         else:
             started = time.perf_counter()
             outputs = compute_locally(lambda: _answered_ok(future))
             done = time.perf_counter()
             detail = {"robot_started_after_ms": round((started - sent) * 1e3, 1)}
+            if upload.stalled_at is not None:
+                detail["upload"] = upload.stalled_at
             if outputs is not None:
                 self.count(True, "local")
                 if local_s is None:
@@ -140,6 +162,62 @@ class LocalHedge:
                 raise OffloadTimeout(f"no answer within {timeout_s:.3f} s") from None
         self.observe_round_trip(key, time.perf_counter() - sent)
         return link.checked(response, request, deadline), None
+
+
+class _Upload:
+    """A request's upload as the robot sees it: ``(waited s, bytes acknowledged)`` read
+    while the call waits."""
+
+    def __init__(self, size_bytes: int):
+        self.size_bytes = int(size_bytes)
+        self.readings = collections.deque()
+        self.readable = True            # False: the transport cannot tell, or the upload is over
+        #: when the upload was found too slow: bytes acknowledged, of, after ms, rate
+        self.stalled_at: Optional[dict] = None
+
+    def stalled(self, waited_s: float, acked: Optional[int], local_s: float) -> bool:
+        """Whether, at ``acked`` bytes acknowledged ``waited_s`` into the call, what is left
+        of the upload would take longer than ``local_s`` at the rate of its latest
+        :data:`STALL_WINDOW_S` (or more)."""
+        if acked is None:
+            if not self.readings and waited_s >= STALL_WINDOW_S:
+                self.readable = False          # no reading yet: the transport cannot tell
+            return False
+        if acked >= self.size_bytes:
+            self.readable = False              # sent: what is slow now is not the upload
+            return False
+        self.readings.append((waited_s, acked))
+        while len(self.readings) > 1 and waited_s - self.readings[1][0] >= STALL_WINDOW_S:
+            self.readings.popleft()
+        t0, acked0 = self.readings[0]
+        if waited_s - t0 < STALL_WINDOW_S:
+            return False
+        rate_bps = (acked - acked0) * 8 / (waited_s - t0)
+        if rate_bps * local_s >= (self.size_bytes - acked) * 8:
+            return False
+        self.stalled_at = {"acked_bytes": int(acked), "of_bytes": self.size_bytes,
+                           "after_ms": round(waited_s * 1e3, 1), "rate_bps": round(rate_bps)}
+        return True
+
+
+def _wait_until_late(future, read_acked: Callable[[], Optional[int]], upload: _Upload, sent: float,
+                     late_s: Optional[float], local_s: float, remaining_s: float) -> bool:
+    """Wait for ``future`` until the robot should start on the frame: True once the call
+    is ``late_s`` old, or its upload stalls (:meth:`_Upload.stalled`) with time left for
+    the robot's ``local_s``; False when it answered first, or waiting left the robot no
+    time."""
+    while not future.done():
+        waited = time.perf_counter() - sent
+        if late_s is not None and waited >= late_s:
+            return True
+        if waited + local_s > remaining_s:
+            return False
+        if upload.readable and upload.stalled(waited, read_acked(), local_s):
+            return True
+        until = late_s if late_s is not None else remaining_s - local_s
+        step = min(POLL_S, until - waited) if upload.readable else until - waited
+        concurrent.futures.wait([future], timeout=max(step, 0.0))
+    return False
 
 
 def _answered_ok(future) -> bool:

@@ -197,6 +197,39 @@ def test_a_frame_gives_a_transfer_only_when_its_one_call_finished():
     assert bw.frame_transfer(s, 10.0) is None
 
 
+def test_a_hedge_started_by_a_stalled_upload_measures_the_upload_so_far():
+    """The robot answered because the link had faded under the upload: the bytes
+    acknowledged by then, over that time, are a sample of the link (so the estimate
+    follows the fade), from a ``FrameStats`` and from a message's ``detail_json`` alike."""
+    import json
+    from types import SimpleNamespace
+
+    from robot_offload.stats import FrameStats
+    s = FrameStats()
+    s.add_call(0.0, 0.4, 0.0, 150_000, 0)
+    s.executed_mode = "local"
+    upload = {"acked_bytes": 5_000, "of_bytes": 150_000, "after_ms": 400.0, "rate_bps": 80_000}
+    s.extra["hedge"] = {"robot_started_after_ms": 400.0, "won": "local", "upload": upload}
+    assert bw.frame_transfer(s, 10.0) == bw.TransferSample(t_s=10.0, bytes=5_000, duration_s=0.4)
+    row = SimpleNamespace(round_trips=1, transfer_s=0.4, executed_mode="local", bytes_up=150_000,
+                          bytes_down=0, detail_json=json.dumps({"hedge": s.extra["hedge"]}))
+    assert bw.frame_transfer(row, 10.0).bytes == 5_000
+    for bad in ({"acked_bytes": 0, "after_ms": 400.0}, {"acked_bytes": 5_000}, "x",
+                {"acked_bytes": "many", "after_ms": 1}):
+        s.extra["hedge"] = {"won": "local", "upload": bad}
+        assert bw.frame_transfer(s, 10.0) is None, bad
+    # an estimator fed such frames follows the fade once a second one agrees (a stall seen
+    # before MIN_TRANSFER_BYTES were acknowledged is ignored, as any transfer that small)
+    est = bw.PassiveEstimator(bw.LastValue())
+    assert est.add(bw.TransferSample(t_s=1.0, bytes=1_500_000, duration_s=0.12)) == pytest.approx(100e6)
+    faded = dict(upload, acked_bytes=80_000, after_ms=800.0)   # 0.8 Mbit/s
+    s.extra["hedge"] = {"won": "local", "upload": faded}
+    est.add(bw.frame_transfer(s, 2.0))
+    assert est.predict_bps() == pytest.approx(100e6)           # one is held
+    est.add(bw.frame_transfer(s, 3.0))
+    assert est.predict_bps() == pytest.approx(0.8e6)
+
+
 def test_a_frame_beside_background_work_gives_only_a_floor_of_the_rate():
     from types import SimpleNamespace
 

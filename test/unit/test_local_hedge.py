@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from robot_offload.client import ClientConfig, OffloadClient
-from robot_offload.local_hedge import LocalHedge, forward_unless
+from robot_offload.local_hedge import STALL_WINDOW_S, LocalHedge, _Upload, forward_unless
 from robot_offload.pool import MIN_SAMPLES
 from robot_offload.transport.inproc import InProcessTransport
 
@@ -39,8 +39,34 @@ class _SlowLink(InProcessTransport):
         return super()._call(method, request, timeout_s)
 
 
-def _client(server, link_s, **kw):
-    transport = _SlowLink(server, link_s)
+class _FadingUpload(_SlowLink):
+    """A :class:`_SlowLink` that also says how far each call's upload has got: all of it
+    at once, or, for the next ``fading`` calls, ``fade_bps`` from when the call began."""
+
+    def __init__(self, server, link_s):
+        super().__init__(server, link_s)
+        self.fade_bps, self.fading = 0.0, 0
+        self._began = {}        # request_id -> (time the call began, fading)
+
+    def _call(self, method, request, timeout_s):
+        if method == "compute" and request.request_id and request.entry != "cancel":
+            with self._lock:
+                fading = self.fading > 0 and self.late > 0
+                self.fading -= 1
+            self._began[request.request_id] = (time.perf_counter(), fading)
+        return super()._call(method, request, timeout_s)
+
+    def upload_acked(self, request_id):
+        began = self._began.get(request_id)
+        if began is None:
+            return None
+        if not began[1]:
+            return 10 ** 9
+        return int((time.perf_counter() - began[0]) * self.fade_bps / 8)
+
+
+def _client(server, link_s, link_type=None, **kw):
+    transport = (link_type or _SlowLink)(server, link_s)
     cfg = dict(model="resnet18", mode="full_offload", input_size=(64, 64), load_timeout_s=120,
                timeout_s=10, hedge_budget=0.5)
     cfg.update(kw)
@@ -73,6 +99,51 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
         assert len(link.cancelled) == cancelled + 1 and link.request_ids[-1] in link.cancelled[-1]
         figures = client._ctx.local_hedge.figures
         assert figures["hedges"] >= 1 and figures["local_won"] >= 1
+    finally:
+        client.close()
+
+
+def test_a_stalled_upload_starts_the_robot_before_the_call_is_late(shared_server):
+    """The link fades under a frame's upload: the robot starts once the upload's rate says
+    the rest would take longer than the robot's whole frame (a few polls in), not at the
+    percentile of the round trips (0.6 s here); its answer is the local one, the server's
+    copy is cancelled, and the frame's details say how far the upload had got."""
+    client, link = _client(shared_server, link_s=0.6, link_type=_FadingUpload)
+    try:
+        for k in range(MIN_SAMPLES + 4):
+            client.process(_frame(k))
+        frame = _frame(98)
+        with torch.inference_mode():
+            ref = client.model(client.preprocess(frame))
+        cancelled = len(link.cancelled)
+        link.late_s, link.late, link.fade_bps, link.fading = 3.0, 1, 8e3, 1   # 1 kB/s
+        y, stats = client.process(frame)
+        assert stats.executed_mode == "local" and not stats.fallback_reason, stats.extra
+        hedge = stats.extra["hedge"]
+        assert hedge["won"] == "local" and "upload" in hedge, hedge
+        # a poll or two past the window, far sooner than the 0.6 s the late rule waits
+        assert STALL_WINDOW_S * 1e3 <= hedge["robot_started_after_ms"] < 450, hedge
+        upload = hedge["upload"]
+        assert 0 < upload["acked_bytes"] < upload["of_bytes"] and upload["rate_bps"] < 20e3, upload
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        assert len(link.cancelled) == cancelled + 1
+        assert stats.processing_s < 1.5
+    finally:
+        client.close()
+
+
+def test_an_upload_that_went_through_waits_for_the_late_rule(shared_server):
+    """The same late frame whose upload the server's host acknowledged at once: what is
+    slow is the server, so the robot starts at the percentile, as without upload readings."""
+    client, link = _client(shared_server, link_s=0.6, link_type=_FadingUpload)
+    try:
+        for k in range(MIN_SAMPLES + 4):
+            client.process(_frame(k))
+        link.late_s, link.late = 3.0, 1
+        _, stats = client.process(_frame(97))
+        hedge = stats.extra["hedge"]
+        assert hedge["won"] == "local" and "upload" not in hedge, hedge
+        assert hedge["robot_started_after_ms"] >= 550, hedge
     finally:
         client.close()
 
@@ -159,6 +230,55 @@ def test_the_robot_hedges_only_where_it_can_win():
     assert hedge.delay_s("f", 1.0) is None           # one more: 2 hedges in 3 calls
     hedge.count(False)                               # one more: 2 of 4, half
     assert hedge.delay_s("f", 1.0) == 0.1
+
+
+@pytest.mark.robot_side
+def test_an_upload_is_stalled_when_its_rest_outlasts_the_robot():
+    local_s = 0.2
+    up = _Upload(100_000)                      # 800 kbit
+    assert not up.stalled(0.0, 0, local_s)
+    assert not up.stalled(0.05, 5_000, local_s)    # under the window: no rate yet
+    # 100 kB/s (0.8 Mbit/s) over 0.1 s: the other 90 kB take 0.9 s > 0.2 s
+    assert up.stalled(0.1, 10_000, local_s)
+    assert up.stalled_at == {"acked_bytes": 10_000, "of_bytes": 100_000, "after_ms": 100.0,
+                             "rate_bps": 800_000}
+    quick = _Upload(100_000)
+    for t, acked in ((0.0, 0), (0.05, 30_000), (0.1, 60_000)):   # 4.8 Mbit/s: 40 kB in 67 ms
+        assert not quick.stalled(t, acked, local_s)
+    assert not quick.stalled(0.15, 100_000, local_s) and not quick.readable   # sent
+    # the rate of the latest window, not since the start: fast, then a fade
+    fade = _Upload(1_000_000)
+    for t, acked in ((0.0, 0), (0.1, 400_000), (0.2, 800_000)):
+        assert not fade.stalled(t, acked, local_s)
+    assert not fade.stalled(0.25, 801_000, local_s)   # the window still reaches back to 0.1 s
+    assert fade.stalled(0.31, 802_000, local_s)      # 2 kB in the 0.11 s since 0.2 s
+    unknown = _Upload(1000)
+    assert not unknown.stalled(0.05, None, local_s) and unknown.readable
+    assert not unknown.stalled(0.1, None, local_s) and not unknown.readable
+
+
+@pytest.mark.robot_side
+def test_bytes_acked_counts_what_the_peer_acknowledged():
+    import socket
+    from robot_offload.transport.tcp import bytes_acked
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname()) as sender:
+            receiver, _ = listener.accept()
+            with receiver:
+                before = bytes_acked(sender)
+                assert before is not None
+                sender.sendall(b"x" * 300_000)
+                got = 0
+                while got < 300_000:
+                    got += len(receiver.recv(1 << 16))
+                deadline = time.monotonic() + 5
+                while bytes_acked(sender) - before < 300_000 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert bytes_acked(sender) - before == 300_000
+        assert bytes_acked(sender) is None           # closed
+    assert bytes_acked(None) is None
 
 
 @pytest.mark.robot_side

@@ -8,6 +8,10 @@ and :class:`~robot_offload.errors.OffloadTimeout` is raised. Connections are per
 must not be used by two threads at once. A broken connection is dropped and the next call
 opens a new one, which is all "reconnect" needs: the master resolves the server's new
 address after a restart.
+
+While a compute request with a ``request_id`` is on its connection, :meth:`upload_acked`
+reads how much of it the server's host has acknowledged (the kernel's ``TCP_INFO`` of that
+connection, counted from just before the request was written).
 """
 
 import concurrent.futures
@@ -21,6 +25,7 @@ from robot_offload.errors import OffloadTimeout, ServerUnavailable
 from robot_offload.ros import conversions as conv
 from robot_offload.srv import Compute, LoadModel, Ping
 from robot_offload.transport.base import Transport, shutdown_now
+from robot_offload.transport.tcp import bytes_acked
 
 # method -> (service name under the server's namespace, srv type, to_srv, from_srv)
 SERVICES = {
@@ -40,6 +45,7 @@ class RosServiceTransport(Transport):
         self._free = defaultdict(list)
         self._in_use = 0
         self._lock = threading.Lock()
+        self._uploads = {}    # request_id of a compute call in flight -> (socket, bytes acked before it)
         # Callers wait on these workers; a worker stuck on a dead socket is freed by close().
         self._workers = self._executor(self._max_workers(), "call")
 
@@ -61,6 +67,7 @@ class RosServiceTransport(Transport):
     def _call(self, method, request, timeout_s):
         _, srv_type, to_srv, from_srv = SERVICES[method]
         proxy = self._acquire(method, srv_type)
+        upload = self._watch_upload(method, request, proxy)
         try:
             try:
                 reply = self._workers.submit(proxy.call, to_srv(request)).result(timeout=timeout_s)
@@ -83,7 +90,30 @@ class RosServiceTransport(Transport):
         finally:
             with self._lock:
                 self._in_use -= 1
+                if upload is not None and self._uploads.get(upload[0]) is upload[1]:
+                    del self._uploads[upload[0]]
         return from_srv(reply)
+
+    def _watch_upload(self, method, request, proxy):
+        """Note where ``request``'s upload starts on ``proxy``'s connection (one a call
+        has already opened; a new one's first request is not watched)."""
+        request_id = getattr(request, "request_id", "") if method == "compute" else ""
+        sock = getattr(getattr(proxy, "transport", None), "socket", None)
+        start = bytes_acked(sock) if request_id else None
+        if start is None:
+            return None
+        entry = (sock, start)
+        with self._lock:
+            self._uploads[request_id] = entry
+        return request_id, entry
+
+    def upload_acked(self, request_id):
+        with self._lock:
+            entry = self._uploads.get(request_id)
+        if entry is None:
+            return None
+        now = bytes_acked(entry[0])
+        return None if now is None else max(0, now - entry[1])
 
     def _acquire(self, method, srv_type):
         with self._lock:

@@ -99,6 +99,12 @@ class Transport(abc.ABC):
         return {"threads": sum(n for _, n in self._executors),
                 "connections": self._connection_limit()}
 
+    def upload_acked(self, request_id: str) -> Optional[int]:
+        """Bytes of the compute request ``request_id``, now in flight, that the server's
+        host has acknowledged; None where that is not known (no socket, the call not on
+        its connection yet or over, a kernel that does not say)."""
+        return None
+
     def _connections(self) -> int:
         """Open connections to the server (none: an in-process server)."""
         return 0
