@@ -1,0 +1,111 @@
+"""A link that fades under a frame's upload, on the real testbed: tc-shaped veth between
+two network namespaces, roscore and offload_server (server.launch) on one side, an
+:class:`~robot_offload.client.OffloadClient` over :class:`RosServiceTransport` on the
+other. After a dozen frames at 50 Mbit/s the link drops to 300 kbit/s: the 150 KB image
+would take 4 s to send. The robot reads the upload's progress from the kernel's TCP
+counters, starts on the frame itself a few polls in (long before the call is late by the
+percentile rule, which with ResNet-101 waits twice the robot's forward), and its answer,
+equal to the local model's, is the frame's.
+
+Needs root (namespaces, tc); skipped otherwise. Traffic stays inside the namespaces.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from robot_offload.bench.runner import wait_for_master
+from robot_offload.testbed import Testbed
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces and tc")
+
+PORT = 23417
+FAST_BPS, FADED_BPS = 50e6, 300e3
+
+# Runs in the robot's namespace: warm frames at the fast rate, then one under the fade
+# (the parent shapes the link when told "fade"), printing one JSON line per result.
+ROBOT = r"""
+import json, sys, time
+import numpy as np, torch, rospy
+from robot_offload.camera import natural_image
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.pool import MIN_SAMPLES
+from robot_offload.ros.transport import RosServiceTransport
+torch.set_num_threads(1)        # a robot's forward several times the stall window
+rospy.init_node("hedge_fade", anonymous=True, disable_signals=True)
+transport = RosServiceTransport("/offload_server")
+client = OffloadClient(ClientConfig(model="resnet101", mode="full_offload", input_size=(224, 224),
+                                    load_timeout_s=120, timeout_s=20, hedge_budget=0.5), transport)
+assert client.connect(), client.link.last_error
+client.warm_up()
+# watched uploads: a frame's request on a connection already open
+for k in range(MIN_SAMPLES + 4):
+    _, stats = client.process(natural_image(224, 224, seed=k))
+    assert stats.executed_mode == "full_offload", (stats.executed_mode, stats.fallback_reason)
+print(json.dumps({"warm": True, "local_s": client._ctx.local_hedge._local_s[-1]}), flush=True)
+assert sys.stdin.readline().strip() == "faded"
+frame = natural_image(224, 224, seed=99)
+with torch.inference_mode():
+    ref = client.model(client.preprocess(frame))
+t0 = time.perf_counter()
+y, stats = client.process(frame)
+same = bool(torch.equal(y, ref))
+print(json.dumps({"executed_mode": stats.executed_mode, "fallback_reason": stats.fallback_reason,
+                  "hedge": stats.extra.get("hedge"), "seconds": time.perf_counter() - t0,
+                  "same_as_local": same, "late_s": client._ctx.local_hedge.delay_s("full_offload_image", 20.0)
+                  or client._ctx.local_hedge.delay_s("forward_image", 20.0)}), flush=True)
+client.close()
+"""
+
+
+def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_late(tmp_path):
+    env = {"ROS_MASTER_URI": f"http://10.231.0.1:{PORT}", "ROS_HOME": str(tmp_path),
+           "ROS_LOG_DIR": str(tmp_path / "log"), "PYTHONUNBUFFERED": "1"}
+    logs = []
+
+    def log(name):
+        f = open(tmp_path / name, "w")
+        logs.append(f)
+        return f
+    try:
+        with Testbed(fallback=False) as tb:
+            env["ROS_MASTER_URI"] = f"http://{tb.server_ip}:{PORT}"
+            senv, renv = dict(env, ROS_IP=tb.server_ip), dict(env, ROS_IP=tb.robot_ip)
+            tb.set_rate(FAST_BPS)
+            core = tb.run("server", ["roscore", "-p", str(PORT)], env=senv, stdout=log("roscore.log"),
+                          stderr=subprocess.STDOUT)
+            wait_for_master(tb, senv, core)
+            server = tb.run("server", ["roslaunch", "--screen", "robot_offload", "server.launch",
+                                       "preload:=[resnet101]", "device:=cpu"],
+                            env=senv, stdout=log("server.log"), stderr=subprocess.STDOUT)
+            end = time.monotonic() + 180
+            while "ready on" not in (tmp_path / "server.log").read_text(errors="replace"):
+                assert server.poll() is None and time.monotonic() < end, "offload_server did not start"
+                time.sleep(0.1)
+            robot = tb.run("robot", [sys.executable, "-c", ROBOT], env=renv, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=log("robot.log"), text=True)
+            warm = json.loads(robot.stdout.readline() or "{}")
+            assert warm.get("warm"), (tmp_path / "robot.log").read_text()[-3000:]
+            tb.set_rate(FADED_BPS)
+            robot.stdin.write("faded\n")
+            robot.stdin.flush()
+            line = robot.stdout.readline()
+            assert line, (tmp_path / "robot.log").read_text()[-3000:]
+            got = json.loads(line)
+            robot.wait(timeout=60)
+    finally:
+        for f in logs:
+            f.close()
+    print("\n", warm, got)
+    hedge = got["hedge"] or {}
+    assert got["executed_mode"] == "local" and not got["fallback_reason"], got
+    assert hedge.get("won") == "local" and "upload" in hedge, got
+    upload = hedge["upload"]
+    assert 0 <= upload["acked_bytes"] < upload["of_bytes"] and upload["rate_bps"] < 2e6, got
+    # the late rule would have waited twice the robot's forward at least
+    assert hedge["robot_started_after_ms"] / 1e3 < min(2 * warm["local_s"], got["late_s"] or 1e9), (warm, got)
+    assert got["same_as_local"], got
