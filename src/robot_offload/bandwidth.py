@@ -66,12 +66,17 @@ class TransferSample:
 
     ``floor_only``: the duration may hold more than the link's time (the sender stalled
     during it), so the rate it shows is only a floor of the link's (see
-    :meth:`PassiveEstimator.add`)."""
+    :meth:`PassiveEstimator.add`).
+
+    ``acked``: the bytes are what the peer's TCP acknowledged of an upload still under way
+    (a stalled upload, see :func:`frame_transfer`), over at least 100 ms: no per-call
+    costs stand in its duration but the RTT, so it shows a rate however few they are."""
 
     t_s: float
     bytes: int
     duration_s: float
     floor_only: bool = False
+    acked: bool = False
 
 
 def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
@@ -82,8 +87,8 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
     (``executed_mode`` ``local`` with a round trip) left its call unfinished -- unless the
     robot started because the upload had stalled: then the bytes the server's host had
     acknowledged by then, over that time, are the sample (``hedge.upload`` in the
-    details, see :mod:`robot_offload.local_hedge`; under ``min_bytes`` it is ignored, as
-    any transfer that small).
+    details, see :mod:`robot_offload.local_hedge`; counted by TCP acknowledgements, it
+    shows a rate under ``min_bytes`` too).
 
     A frame that ran beside background work on the robot (planning; ``background`` in its
     details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
@@ -102,7 +107,7 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
         if acked <= 0 or not after_s > 0:
             return None
         return TransferSample(t_s=end_s, bytes=acked, duration_s=after_s,
-                              floor_only=ran_beside_background(stats))
+                              floor_only=ran_beside_background(stats), acked=True)
     return TransferSample(t_s=end_s, bytes=stats.bytes_up + stats.bytes_down, duration_s=stats.transfer_s,
                           floor_only=ran_beside_background(stats))
 
@@ -574,7 +579,8 @@ class PassiveEstimator:
     def _time_less_rtt_s(self, sample, rtt_s):
         """A sample's duration less the RTT (s), or None when it is too small or
         latency-bound to show anything of the link (bursts included)."""
-        if sample.bytes < self.min_bytes or not 0 < sample.duration_s < math.inf:
+        if (sample.bytes < self.min_bytes and not (sample.acked and sample.bytes > 0)
+                or not 0 < sample.duration_s < math.inf):
             return None
         rtt = self.min_rtt_s if rtt_s is None else float(rtt_s)
         effective = sample.duration_s - (rtt or 0.0)

@@ -144,6 +144,12 @@ class ServerLink:
         acknowledged so far, or None where the transport cannot tell."""
         return self.transport.upload_acked(request.request_id) if request.request_id else None
 
+    def abandon(self, request: ComputeRequest) -> bool:
+        """Stop sending what is left of ``request`` (in flight, from :meth:`submit`; its
+        answer no longer wanted); True where the transport did (see
+        :meth:`Transport.abandon`)."""
+        return self.transport.abandon(request.request_id) if request.request_id else False
+
     def query_load(self, timeout_s: float) -> float:
         """The server's wait for a compute slot now (s, as it reports it), by a plain
         ping. Raises TransportError / RemoteError."""

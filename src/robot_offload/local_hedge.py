@@ -26,7 +26,10 @@ from the kernel's TCP counters), the robot watches the upload every :data:`POLL_
 once the rate of the last :data:`STALL_WINDOW_S` would take longer to send what is left
 than the robot takes for the whole frame, it starts then (``hedge.upload`` in the frame's
 details: the bytes acknowledged and after how long). A fade that begins during a frame
-then costs about the robot's own time, not that plus twice it.
+then costs about the robot's own time, not that plus twice it. When the robot answers a
+frame whose upload has not gone through, the upload is abandoned (its connection closed,
+``hedge.upload_abandoned``): its rest would otherwise hold the slow link against the next
+frames, whose hedges then won too and left more behind, until calls missed their deadline.
 """
 
 import collections
@@ -148,7 +151,10 @@ class LocalHedge:
                 self.count(True, "local")
                 if local_s is None:
                     self.observe_local(done - started)
-                _cancel(link, request)
+                if _still_uploading(link, request) and link.abandon(request):
+                    detail["upload_abandoned"] = True      # the server never had it whole
+                else:
+                    _cancel(link, request)
                 stats.add_call(sent, started, 0.0, request.payload_bytes, 0)
                 stats.executed_mode = "local"
                 stats.extra["hedge"] = {**detail, "won": "local"}
@@ -218,6 +224,12 @@ def _wait_until_late(future, read_acked: Callable[[], Optional[int]], upload: _U
         step = min(POLL_S, until - waited) if upload.readable else until - waited
         concurrent.futures.wait([future], timeout=max(step, 0.0))
     return False
+
+
+def _still_uploading(link, request: ComputeRequest) -> bool:
+    """Whether the server's host is known not to have acknowledged all of ``request``."""
+    acked = link.upload_acked(request)
+    return acked is not None and acked < request.payload_bytes
 
 
 def _answered_ok(future) -> bool:

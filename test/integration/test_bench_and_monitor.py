@@ -18,10 +18,12 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for networ
 
 
 class EchoReader:
-    """`rostopic echo -p` of a topic inside the robot namespace, parsed as it arrives."""
+    """`rostopic echo -p` of a topic inside the robot namespace, parsed as it arrives. Its
+    string fields are left out (``--nostr``): `-p` writes them unquoted, so a comma in one
+    (a fallback reason, ``detail_json``) would shift the columns after it."""
 
     def __init__(self, tb, env, topic):
-        self.proc = tb.run("robot", ["rostopic", "echo", "-p", topic], env=env,
+        self.proc = tb.run("robot", ["rostopic", "echo", "-p", "--nostr", topic], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.header = None
 

@@ -58,6 +58,13 @@ print(json.dumps({"executed_mode": stats.executed_mode, "fallback_reason": stats
                   "hedge": stats.extra.get("hedge"), "seconds": time.perf_counter() - t0,
                   "same_as_local": same, "late_s": client._ctx.local_hedge.delay_s("full_offload_image", 20.0)
                   or client._ctx.local_hedge.delay_s("forward_image", 20.0)}), flush=True)
+# the link back at its rate: the next frame is offloaded at once, on a fresh connection
+# (the abandoned one is closed, its call ended)
+assert sys.stdin.readline().strip() == "restored"
+t0 = time.perf_counter()
+_, nxt = client.process(natural_image(224, 224, seed=100))
+print(json.dumps({"next_mode": nxt.executed_mode, "next_s": time.perf_counter() - t0,
+                  "next_fallback": nxt.fallback_reason}), flush=True)
 client.close()
 """
 
@@ -96,6 +103,10 @@ def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_
             line = robot.stdout.readline()
             assert line, (tmp_path / "robot.log").read_text()[-3000:]
             got = json.loads(line)
+            tb.set_rate(FAST_BPS)
+            robot.stdin.write("restored\n")
+            robot.stdin.flush()
+            got.update(json.loads(robot.stdout.readline() or "{}"))
             robot.wait(timeout=60)
     finally:
         for f in logs:
@@ -103,9 +114,13 @@ def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_
     print("\n", warm, got)
     hedge = got["hedge"] or {}
     assert got["executed_mode"] == "local" and not got["fallback_reason"], got
+    assert got.get("next_mode") == "full_offload" and not got["next_fallback"], got
     assert hedge.get("won") == "local" and "upload" in hedge, got
     upload = hedge["upload"]
     assert 0 <= upload["acked_bytes"] < upload["of_bytes"] and upload["rate_bps"] < 2e6, got
     # the late rule would have waited twice the robot's forward at least
     assert hedge["robot_started_after_ms"] / 1e3 < min(2 * warm["local_s"], got["late_s"] or 1e9), (warm, got)
     assert got["same_as_local"], got
+    # the rest of the upload was dropped with its connection, not left on the slow link
+    assert hedge.get("upload_abandoned") is True, got
+    assert got["next_s"] < 2.0, got

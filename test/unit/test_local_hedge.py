@@ -47,6 +47,7 @@ class _FadingUpload(_SlowLink):
         super().__init__(server, link_s)
         self.fade_bps, self.fading = 0.0, 0
         self._began = {}        # request_id -> (time the call began, fading)
+        self.abandoned = []
 
     def _call(self, method, request, timeout_s):
         if method == "compute" and request.request_id and request.entry != "cancel":
@@ -55,6 +56,10 @@ class _FadingUpload(_SlowLink):
                 self.fading -= 1
             self._began[request.request_id] = (time.perf_counter(), fading)
         return super()._call(method, request, timeout_s)
+
+    def abandon(self, request_id):
+        self.abandoned.append(request_id)
+        return True
 
     def upload_acked(self, request_id):
         began = self._began.get(request_id)
@@ -106,8 +111,9 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
 def test_a_stalled_upload_starts_the_robot_before_the_call_is_late(shared_server):
     """The link fades under a frame's upload: the robot starts once the upload's rate says
     the rest would take longer than the robot's whole frame (a few polls in), not at the
-    percentile of the round trips (0.6 s here); its answer is the local one, the server's
-    copy is cancelled, and the frame's details say how far the upload had got."""
+    percentile of the round trips (0.6 s here); its answer is the local one, the rest of
+    the upload is abandoned (no cancel needed: the server never had it whole), and the
+    frame's details say how far the upload had got."""
     client, link = _client(shared_server, link_s=0.6, link_type=_FadingUpload)
     try:
         for k in range(MIN_SAMPLES + 4):
@@ -126,7 +132,8 @@ def test_a_stalled_upload_starts_the_robot_before_the_call_is_late(shared_server
         upload = hedge["upload"]
         assert 0 < upload["acked_bytes"] < upload["of_bytes"] and upload["rate_bps"] < 20e3, upload
         torch.testing.assert_close(y, ref, rtol=0, atol=0)
-        assert len(link.cancelled) == cancelled + 1
+        assert hedge["upload_abandoned"] and link.abandoned == [link.request_ids[-1]]
+        assert len(link.cancelled) == cancelled
         assert stats.processing_s < 1.5
     finally:
         client.close()
@@ -144,6 +151,8 @@ def test_an_upload_that_went_through_waits_for_the_late_rule(shared_server):
         hedge = stats.extra["hedge"]
         assert hedge["won"] == "local" and "upload" not in hedge, hedge
         assert hedge["robot_started_after_ms"] >= 550, hedge
+        # it went through: the server's copy is cancelled, not abandoned
+        assert "upload_abandoned" not in hedge and not link.abandoned and link.cancelled
     finally:
         client.close()
 

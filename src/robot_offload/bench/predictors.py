@@ -99,7 +99,7 @@ def _estimator(spec, burst, rtt_s=(), **kwargs):
 def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rtt_s=(),
                        burst="learn"):
     """{horizon: (predicted, actual)}: a :class:`PassiveEstimator` with predictor ``spec``
-    (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes[, floor_only])], real
+    (and ``burst``, see there) fed ``transfers`` ([(start, end, bytes[, floor_only[, acked]])], real
     time, see :class:`TransferSample`) in the order they ended; at each of ``instants``
     ([(real time, trace position)]) its prediction against the mean rate the trace set over
     the next ``h`` from that position (instants before the first prediction, or whose
@@ -110,8 +110,9 @@ def online_predictions(transfers, instants, trace, spec, horizons=HORIZONS_S, rt
     j = 0
     for t, pos in sorted(instants):
         while j < len(transfers) and transfers[j][1] <= t:
-            t0, t1, nbytes, *floor_only = transfers[j]
-            est.add(TransferSample(t1, int(nbytes), t1 - t0, floor_only=bool(floor_only and floor_only[0])))
+            t0, t1, nbytes, *flags = transfers[j]
+            flags = [bool(f) for f in flags] + [False, False]
+            est.add(TransferSample(t1, int(nbytes), t1 - t0, floor_only=flags[0], acked=flags[1]))
             j += 1
         p = est.predict_bps()
         if p is None:

@@ -344,7 +344,7 @@ REPLAYS = (("last", "last", None), ("harmonic(5)", "harmonic(5)", None),
 
 
 def _frame_transfer(row):
-    """(start, end, bytes, floor_only) of the one call a bench frame row made, or None (see
+    """(start, end, bytes, floor_only, acked) of the one call a bench frame row made, or None (see
     :func:`robot_offload.bandwidth.frame_transfer`)."""
     try:     # numbers, or the strings of a frames.csv
         stats = SimpleNamespace(round_trips=int(float(row["round_trips"])),
@@ -355,7 +355,7 @@ def _frame_transfer(row):
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
     return None if sample is None else (sample.t_s - sample.duration_s, sample.t_s, sample.bytes,
-                                        sample.floor_only)
+                                        sample.floor_only, sample.acked)
 
 
 def _finite(v):

@@ -11,7 +11,8 @@ address after a restart.
 
 While a compute request with a ``request_id`` is on its connection, :meth:`upload_acked`
 reads how much of it the server's host has acknowledged (the kernel's ``TCP_INFO`` of that
-connection, counted from just before the request was written).
+connection, counted from just before the request was written), and :meth:`abandon` closes
+that connection.
 """
 
 import concurrent.futures
@@ -25,7 +26,7 @@ from robot_offload.errors import OffloadTimeout, ServerUnavailable
 from robot_offload.ros import conversions as conv
 from robot_offload.srv import Compute, LoadModel, Ping
 from robot_offload.transport.base import Transport, shutdown_now
-from robot_offload.transport.tcp import bytes_acked
+from robot_offload.transport.tcp import abort, bytes_acked
 
 # method -> (service name under the server's namespace, srv type, to_srv, from_srv)
 SERVICES = {
@@ -45,7 +46,7 @@ class RosServiceTransport(Transport):
         self._free = defaultdict(list)
         self._in_use = 0
         self._lock = threading.Lock()
-        self._uploads = {}    # request_id of a compute call in flight -> (socket, bytes acked before it)
+        self._uploads = {}    # request_id of a compute call in flight -> (proxy, bytes acked before it)
         # Callers wait on these workers; a worker stuck on a dead socket is freed by close().
         self._workers = self._executor(self._max_workers(), "call")
 
@@ -95,14 +96,17 @@ class RosServiceTransport(Transport):
         return from_srv(reply)
 
     def _watch_upload(self, method, request, proxy):
-        """Note where ``request``'s upload starts on ``proxy``'s connection (one a call
-        has already opened; a new one's first request is not watched)."""
+        """Note where ``request``'s upload starts on ``proxy``'s connection: the bytes it
+        has acknowledged so far, or, on a connection this call opens, none (its count
+        starts at 1, the SYN, and its first bytes are the connection header, a few
+        hundred)."""
         request_id = getattr(request, "request_id", "") if method == "compute" else ""
-        sock = getattr(getattr(proxy, "transport", None), "socket", None)
-        start = bytes_acked(sock) if request_id else None
-        if start is None:
+        if not request_id:
             return None
-        entry = (sock, start)
+        sock = getattr(getattr(proxy, "transport", None), "socket", None)
+        entry = (proxy, 1 if sock is None else bytes_acked(sock))
+        if entry[1] is None:              # the kernel does not say
+            return None
         with self._lock:
             self._uploads[request_id] = entry
         return request_id, entry
@@ -112,8 +116,18 @@ class RosServiceTransport(Transport):
             entry = self._uploads.get(request_id)
         if entry is None:
             return None
-        now = bytes_acked(entry[0])
+        now = bytes_acked(getattr(getattr(entry[0], "transport", None), "socket", None))
         return None if now is None else max(0, now - entry[1])
+
+    def abandon(self, request_id):
+        with self._lock:
+            entry = self._uploads.get(request_id)
+            if entry is None or getattr(entry[0], "transport", None) is None:
+                return False           # not connected yet: nothing sent to stop
+            del self._uploads[request_id]
+        abort(getattr(entry[0].transport, "socket", None))   # drop the unsent rest, do not send it
+        entry[0].close()          # the worker's call raises; _call closes the proxy for good
+        return True
 
     def _acquire(self, method, srv_type):
         with self._lock:

@@ -105,6 +105,12 @@ class Transport(abc.ABC):
         its connection yet or over, a kernel that does not say)."""
         return None
 
+    def abandon(self, request_id: str) -> bool:
+        """Stop sending what is left of the compute request ``request_id`` (in flight, its
+        answer no longer wanted): its connection is closed, so the rest of it does not hold
+        a slow link against the next frames, and its call raises. True where that was done."""
+        return False
+
     def _connections(self) -> int:
         """Open connections to the server (none: an in-process server)."""
         return 0

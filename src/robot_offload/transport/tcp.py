@@ -30,3 +30,13 @@ def bytes_acked(sock) -> Optional[int]:
     if len(info) < BYTES_ACKED_OFFSET + 8:
         return None
     return struct.unpack_from("=Q", info, BYTES_ACKED_OFFSET)[0]
+
+
+def abort(sock) -> None:
+    """Make closing the TCP socket ``sock`` drop what it has not sent yet (a reset, not the
+    orderly close that would go on sending it in the background): ``SO_LINGER`` on, with
+    a timeout of 0. Errors are ignored (the socket may be closed already)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except (OSError, AttributeError):
+        pass
