@@ -53,7 +53,7 @@ from robot_offload.protocol import ComputeRequest, ComputeResponse, StatusCode
 LOCAL_WINDOW = 9
 #: the robot starts no sooner than when its work is this share of the frame's wait
 LOCAL_SHARE = 0.5
-#: how often a late-able call's upload is read (s)
+#: how often the upload of a call the robot may hedge is read (s)
 POLL_S = 0.025
 #: an upload's rate is read over at least this much of its latest progress (s)
 STALL_WINDOW_S = 0.1

@@ -291,6 +291,47 @@ def test_bytes_acked_counts_what_the_peer_acknowledged():
 
 
 @pytest.mark.robot_side
+@pytest.mark.parametrize("aborted", [False, True])
+def test_an_aborted_upload_is_dropped_not_sent_on(aborted):
+    """A plain close goes on sending what the socket holds (the peer reads it all); closed
+    after ``abort`` the connection is reset and the rest never arrives."""
+    import socket
+    from robot_offload.transport.tcp import abort
+    payload = 8 << 20                                   # more than the socket buffers hold
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+        with receiver:
+            sender.setblocking(False)
+            queued = 0
+            try:
+                while queued < payload:
+                    queued += sender.send(b"x" * (1 << 16))
+            except BlockingIOError:
+                pass                                       # the buffers are full
+            if aborted:
+                abort(sender)
+            sender.close()
+            receiver.settimeout(5)
+            got, reset = 0, False
+            try:
+                while True:
+                    chunk = receiver.recv(1 << 16)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+            except ConnectionResetError:
+                reset = True
+    if aborted:
+        assert reset and got < queued, (got, queued)
+    else:
+        assert not reset and got == queued, (got, queued)
+    abort(sender)                                         # closed: ignored
+
+
+@pytest.mark.robot_side
 def test_forward_unless_stops_at_the_next_module():
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
     x = torch.rand(1, 4)
