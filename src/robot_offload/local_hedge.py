@@ -27,8 +27,8 @@ once the rate of the last :data:`STALL_WINDOW_S` would take longer to send what 
 than the robot takes for the whole frame, it starts then (``hedge.upload`` in the frame's
 details: the bytes acknowledged and after how long). A fade that begins during a frame
 then costs about the robot's own time, not that plus twice it. When the robot answers a
-frame whose upload has not gone through, the upload is abandoned (its connection closed,
-``hedge.upload_abandoned``): its rest would otherwise hold the slow link against the next
+frame whose upload has not gone through, the upload is abandoned (its connection reset,
+the unsent rest dropped, ``hedge.upload_abandoned``): its rest would otherwise hold the slow link against the next
 frames, whose hedges then won too and left more behind, until calls missed their deadline.
 """
 

@@ -11,8 +11,8 @@ address after a restart.
 
 While a compute request with a ``request_id`` is on its connection, :meth:`upload_acked`
 reads how much of it the server's host has acknowledged (the kernel's ``TCP_INFO`` of that
-connection, counted from just before the request was written), and :meth:`abandon` closes
-that connection.
+connection, counted from just before the request was written), and :meth:`abandon` resets
+that connection, dropping what it has not sent.
 """
 
 import concurrent.futures
@@ -103,7 +103,7 @@ class RosServiceTransport(Transport):
         request_id = getattr(request, "request_id", "") if method == "compute" else ""
         if not request_id:
             return None
-        sock = getattr(getattr(proxy, "transport", None), "socket", None)
+        sock = _socket_of(proxy)
         entry = (proxy, 1 if sock is None else bytes_acked(sock))
         if entry[1] is None:              # the kernel does not say
             return None
@@ -116,7 +116,7 @@ class RosServiceTransport(Transport):
             entry = self._uploads.get(request_id)
         if entry is None:
             return None
-        now = bytes_acked(getattr(getattr(entry[0], "transport", None), "socket", None))
+        now = bytes_acked(_socket_of(entry[0]))
         return None if now is None else max(0, now - entry[1])
 
     def abandon(self, request_id):
@@ -125,7 +125,7 @@ class RosServiceTransport(Transport):
             if entry is None or getattr(entry[0], "transport", None) is None:
                 return False           # not connected yet: nothing sent to stop
             del self._uploads[request_id]
-        abort(getattr(entry[0].transport, "socket", None))   # drop the unsent rest, do not send it
+        abort(_socket_of(entry[0]))   # drop the unsent rest, do not send it
         entry[0].close()          # the worker's call raises; _call closes the proxy for good
         return True
 
@@ -149,6 +149,11 @@ class RosServiceTransport(Transport):
         for p in proxies:
             p.close()
         shutdown_now(self._workers)
+
+
+def _socket_of(proxy):
+    """The TCP socket of a persistent ServiceProxy's connection (None before it connects)."""
+    return getattr(getattr(proxy, "transport", None), "socket", None)
 
 
 def connect(server_ns: str = "/offload_server", **kw) -> RosServiceTransport:

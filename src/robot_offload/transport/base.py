@@ -107,7 +107,7 @@ class Transport(abc.ABC):
 
     def abandon(self, request_id: str) -> bool:
         """Stop sending what is left of the compute request ``request_id`` (in flight, its
-        answer no longer wanted): its connection is closed, so the rest of it does not hold
+        answer no longer wanted): its connection is reset, so the unsent rest of it does not hold
         a slow link against the next frames, and its call raises. True where that was done."""
         return False
 
