@@ -61,6 +61,7 @@ print(json.dumps({"executed_mode": stats.executed_mode, "fallback_reason": stats
 # the link back at its rate: the next frame is offloaded at once, on a fresh connection
 # (the abandoned one is closed, its call ended)
 assert sys.stdin.readline().strip() == "restored"
+time.sleep(0.5)                 # the shaper's queue of the faded rate drained
 t0 = time.perf_counter()
 _, nxt = client.process(natural_image(224, 224, seed=100))
 print(json.dumps({"next_mode": nxt.executed_mode, "next_s": time.perf_counter() - t0,
