@@ -2,9 +2,10 @@
 
 With several servers a late call goes to a second one too (:mod:`robot_offload.pool`).
 With one, the robot is the only other place the frame can run: when a ``full_offload``
-call, or a ``layer_partition`` tail, has not answered by the ``hedge_percentile`` of this
-client's recent round trips of its kind, the robot starts the local model on the frame
-(the rest of the model on its own head tensors), and the first answer wins. When the
+call, a ``layer_partition`` tail, or a spatial ``lop`` frame's transfers
+(:meth:`LocalHedge.race`), has not answered by the ``hedge_percentile`` of this client's
+recent round trips of its kind, the robot starts the local model on the frame (the rest of
+the model on its own head tensors), and the first answer wins. When the
 server answers first the local forward stops at its next module (a forward pre-hook on
 the hedging thread), and when the robot finishes first the server's copy is cancelled
 (taken back while it still waits for a compute slot). The frame's ``stats`` say so:
@@ -134,48 +135,85 @@ class LocalHedge:
         request = dataclasses.replace(request, request_id=secrets.token_hex(8))
         deadline = link.clock() + timeout_s
         future = link.submit(request, timeout_s)
-        upload = _Upload(request.payload_bytes)
+        outputs = self._race(link, key, [(request, future)], sent, timeout_s, plan, stats,
+                             compute_locally, local_s)
+        if outputs is not None:
+            return None, outputs
         with background.GATE.waiting():
-            start = _wait_until_late(future, lambda: link.upload_acked(request), upload, sent,
-                                     *plan, timeout_s)
-        if not start:
-            self.count(False)
-        else:
+            try:
+                response = future.result(timeout=max(0.0, deadline - link.clock()))
+            except concurrent.futures.TimeoutError:
+                raise OffloadTimeout(f"no answer within {timeout_s:.3f} s") from None
+        return link.checked(response, request, deadline), None
+
+    def race(self, link, key: str, calls, sent: float, timeout_s: float, stats,
+             compute_locally: Callable[[Callable[[], bool]], object],
+             local_s: Optional[float] = None) -> Optional[object]:
+        """The hedge of :meth:`call` for calls a frame has already submitted (``lop``'s
+        transfers, sent before the robot computed its own stripe): ``calls`` is
+        ``[(request, future)]`` (each request with a ``request_id``, so that it can be
+        abandoned or cancelled), the first sent at ``sent`` (:func:`time.perf_counter`),
+        all due within ``timeout_s`` of it. A call of kind ``key`` is all of them answered;
+        its round trip is from ``sent`` to the last answer. Returns the robot's outputs when
+        ``compute_locally`` finished first (each unfinished upload abandoned, each other
+        request cancelled, one call per request accounted in ``stats``), or None: the
+        caller takes the answers from the futures (all done, a failure among them, or no
+        time left for the robot)."""
+        plan = self._plan(key, timeout_s, local_s)
+        return self._race(link, key, calls, sent, timeout_s, plan, stats, compute_locally, local_s)
+
+    def _race(self, link, key: str, calls, sent: float, timeout_s: float, plan, stats,
+              compute_locally, local_s: Optional[float]) -> Optional[object]:
+        """The wait of :meth:`call` and :meth:`race`, hedged under ``plan`` (of
+        :meth:`_plan`; None: not hedged): the robot's outputs when it won, else None once
+        every future is done or the time is up; counts the call, and observes its round
+        trip when all answered."""
+        answered_at = []
+        futures = [f for _, f in calls]
+        for f in futures:
+            f.add_done_callback(lambda _: answered_at.append(time.perf_counter()))
+        start = False
+        if plan is not None:
+            upload = _Upload(sum(r.payload_bytes for r, _ in calls), watch_from_s=time.perf_counter() - sent)
+            with background.GATE.waiting():
+                start = _wait_until_late(futures, lambda: _acked(link, calls), upload, sent, *plan, timeout_s)
+        if start:
             started = time.perf_counter()
-            outputs = compute_locally(lambda: _answered_ok(future))
-            done = time.perf_counter()
+            outputs = compute_locally(lambda: all(_answered_ok(f) for f in futures))
             detail = {"robot_started_after_ms": round((started - sent) * 1e3, 1)}
             if upload.stalled_at is not None:
                 detail["upload"] = upload.stalled_at
             if outputs is not None:
                 self.count(True, "local")
                 if local_s is None:
-                    self.observe_local(done - started)
-                if _still_uploading(link, request) and link.abandon(request):
-                    detail["upload_abandoned"] = True      # the server never had it whole
-                else:
-                    _cancel(link, request)
-                stats.add_call(sent, started, 0.0, request.payload_bytes, 0)
+                    self.observe_local(time.perf_counter() - started)
+                for request, _ in calls:
+                    if _still_uploading(link, request) and link.abandon(request):
+                        detail["upload_abandoned"] = True      # the server never had it whole
+                    else:
+                        _cancel(link, request)
+                    stats.add_call(sent, started, 0.0, request.payload_bytes, 0)
                 stats.executed_mode = "local"
                 stats.extra["hedge"] = {**detail, "won": "local"}
-                return None, outputs
+                return outputs
             self.count(True, "server")
             stats.extra["hedge"] = {**detail, "won": "server"}
+        else:
+            self.count(False)
         with background.GATE.waiting():
-            try:
-                response = future.result(timeout=max(0.0, deadline - link.clock()))
-            except concurrent.futures.TimeoutError:
-                raise OffloadTimeout(f"no answer within {timeout_s:.3f} s") from None
-        self.observe_round_trip(key, time.perf_counter() - sent)
-        return link.checked(response, request, deadline), None
+            concurrent.futures.wait(futures, timeout=max(0.0, sent + timeout_s - time.perf_counter()))
+        if len(answered_at) == len(futures):
+            self.observe_round_trip(key, max(answered_at) - sent)
+        return None
 
 
 class _Upload:
     """A request's upload as the robot sees it: ``(waited s, bytes acknowledged)`` read
     while the call waits."""
 
-    def __init__(self, size_bytes: int):
+    def __init__(self, size_bytes: int, watch_from_s: float = 0.0):
         self.size_bytes = int(size_bytes)
+        self.watch_from_s = watch_from_s      # when the readings begin (s into the call)
         self.readings = collections.deque()
         self.readable = True            # False: the transport cannot tell, or the upload is over
         #: when the upload was found too slow: bytes acknowledged, of, after ms, rate
@@ -186,7 +224,7 @@ class _Upload:
         of the upload would take longer than ``local_s`` at the rate of its latest
         :data:`STALL_WINDOW_S` (or more)."""
         if acked is None:
-            if not self.readings and waited_s >= STALL_WINDOW_S:
+            if not self.readings and waited_s - self.watch_from_s >= STALL_WINDOW_S:
                 self.readable = False          # no reading yet: the transport cannot tell
             return False
         if acked >= self.size_bytes:
@@ -206,13 +244,15 @@ class _Upload:
         return True
 
 
-def _wait_until_late(future, read_acked: Callable[[], Optional[int]], upload: _Upload, sent: float,
+def _wait_until_late(futures, read_acked: Callable[[], Optional[int]], upload: _Upload, sent: float,
                      late_s: Optional[float], local_s: float, remaining_s: float) -> bool:
-    """Wait for ``future`` until the robot should start on the frame: True once the call
+    """Wait for ``futures`` until the robot should start on the frame: True once the call
     is ``late_s`` old, or its upload stalls (:meth:`_Upload.stalled`) with time left for
-    the robot's ``local_s``; False when it answered first, or waiting left the robot no
-    time."""
-    while not future.done():
+    the robot's ``local_s``; False when all answered first, one failed (the frame falls
+    back), or waiting left the robot no time."""
+    while not all(f.done() for f in futures):
+        if any(f.done() and not _answered_ok(f) for f in futures):
+            return False
         waited = time.perf_counter() - sent
         if late_s is not None and waited >= late_s:
             return True
@@ -222,8 +262,24 @@ def _wait_until_late(future, read_acked: Callable[[], Optional[int]], upload: _U
             return True
         until = late_s if late_s is not None else remaining_s - local_s
         step = min(POLL_S, until - waited) if upload.readable else until - waited
-        concurrent.futures.wait([future], timeout=max(step, 0.0))
+        concurrent.futures.wait([f for f in futures if not f.done()], timeout=max(step, 0.0),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
     return False
+
+
+def _acked(link, calls) -> Optional[int]:
+    """Bytes of the ``(request, future)`` calls' requests the server's host has
+    acknowledged (an answered call's whole request), or None where the transport cannot
+    tell for one still running."""
+    total = 0
+    for request, future in calls:
+        acked = link.upload_acked(request)
+        if acked is None:
+            if not future.done():
+                return None
+            acked = request.payload_bytes
+        total += min(acked, request.payload_bytes)
+    return total
 
 
 def _still_uploading(link, request: ComputeRequest) -> bool:

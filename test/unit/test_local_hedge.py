@@ -383,3 +383,54 @@ def test_a_late_partition_tail_is_finished_on_the_robot(shared_server, tmp_path)
         assert_same_as_local(y, ref, "the tail on the robot")
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("robot_joins,stalled", [(True, False), (False, False), (False, True)],
+                         ids=["robot_joins", "pair", "pair_stalled"])
+def test_a_late_lop_frame_is_finished_on_the_robot(shared_server, tmp_path, robot_joins, stalled):
+    """A spatial ``lop`` frame: its transfer A (and B, for a pair the server joins) went
+    out before the robot computed its stripe. When the answers are late, the robot runs
+    the rest of the model from the region's first cut on its own tensors, and the outputs
+    are local's; every request of the frame is taken back (cancelled, or, when the
+    uploads stalled, abandoned, the robot starting on the stall, not at the late rule)."""
+    from robot_offload.stats import FrameStats
+    from schedules import lop_schedules
+    client, link = _client(shared_server, link_s=0.2, link_type=_FadingUpload, mode="lop",
+                           model="mobilenet_v2", profile_dir=str(tmp_path), partition_codecs=("raw",))
+    try:
+        backend, x, ref, plans = lop_schedules(client, client._get_backend("lop"))
+        plan = plans[robot_joins]
+        for _ in range(MIN_SAMPLES + 3):       # its round trips (~0.2 s a request)
+            stats = FrameStats()
+            assert_same_as_local(backend.run_schedule(x, plan, stats, 10.0), ref, "served")
+            assert stats.extra["lop"]["spatial"] and stats.executed_mode != "local", stats.extra
+        requests = 1 if robot_joins else 2
+        cancelled = len(link.cancelled)
+        link.late_s, link.late = 3.0, requests
+        if stalled:
+            link.fade_bps, link.fading = 8e3, requests       # 1 kB/s
+        stats = FrameStats()
+        t0 = time.perf_counter()
+        y = backend.run_schedule(x, plan, stats, 10.0)
+        assert time.perf_counter() - t0 < 2.0
+        hedge = stats.extra["hedge"]
+        assert stats.executed_mode == "local" and hedge["won"] == "local", stats.extra
+        assert stats.extra["lop"]["hedged"] and stats.round_trips == requests, stats.extra
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        sent = link.request_ids[-requests:]
+        if stalled:
+            upload = hedge["upload"]
+            assert 0 < upload["acked_bytes"] < upload["of_bytes"], upload
+            assert upload["of_bytes"] == stats.extra["lop"]["bytes_a"] + stats.extra["lop"]["bytes_b"]
+            assert hedge["upload_abandoned"] and link.abandoned == sent, (link.abandoned, sent)
+            assert len(link.cancelled) == cancelled
+        else:
+            assert "upload" not in hedge and not link.abandoned, hedge
+            assert all(rid and any(rid in c for c in link.cancelled[cancelled:]) for rid in sent), link.cancelled
+        # on time again: the server's answers are used
+        time.sleep(3.5)
+        stats = FrameStats()
+        assert_same_as_local(backend.run_schedule(x, plan, stats, 10.0), ref, "served again")
+        assert stats.executed_mode != "local" and "hedge" not in stats.extra, stats.extra
+    finally:
+        client.close()

@@ -639,6 +639,56 @@ def test_server_refuses_bad_lop_requests(shared_server, profile_dir):
         client.close()
 
 
+def test_one_client_cannot_keep_others_out_of_lop(shared_server, profile_dir):
+    """Parts whose finish never comes (refused ones cost the server nothing to send) are
+    kept for their finish; one client's many cannot fill the server's frames: it holds at
+    most MAX_FRAMES_PER_CLIENT, a new part drops its oldest (whose finish says why), and
+    another client's part is still taken, not answered BUSY."""
+    client = _client(shared_server, "vgg19", profile_dir)
+    lop = shared_server.executors["lop_part"]
+    try:
+        loaded = shared_server.load("vgg19")
+        shape = [1, 3] + list(client.input_size)
+        g = capture(loaded.module)
+        first, last = list(g.inputs), ["features_36"]
+        wrong = [codec.encode(torch.zeros(1, 3, 2, client.input_size[1]), first[0])]
+
+        def part(frame, client_id):
+            args = {"phase": "part", "frame": frame, "first": first, "last": last,
+                    "split": {"features_36": 1}, "input_shape": shape}
+            with pytest.raises(RequestRejected) as e:
+                lop(loaded, _lop_request(args, wrong, client_id=client_id))
+            return e.value
+
+        for i in range(lop_executor.MAX_FRAMES + 4):
+            assert part(f"{i:012x}", "hog").code == StatusCode.BAD_REQUEST
+        assert sum(k[0] == "hog" for k in lop.frames) == lop_executor.MAX_FRAMES_PER_CLIENT
+        refused = part("c0ffee00c0ffee00", "another-robot")
+        assert refused.code == StatusCode.BAD_REQUEST, refused.text     # checked, not BUSY
+        fin = {"phase": "finish", "frame": f"{0:012x}", "last": last, "input_shape": shape}
+        old, lop.wait_s = lop.wait_s, 0.5
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RequestRejected) as e:
+                lop(loaded, _lop_request(fin, client_id="hog"))
+            assert "no lop part" in e.value.text
+            # a part still running when its frame is dropped: a finish waiting for it
+            # wakes and says why
+            with lop.frames_lock:
+                frame = lop_executor._Frame()
+                lop.frames[("late", "dddddddddddd")] = frame
+            for i in range(lop_executor.MAX_FRAMES_PER_CLIENT):
+                part(f"{i + 1:012x}", "late")
+            assert frame.done.is_set() and frame.error.startswith("dropped"), frame.error
+        finally:
+            lop.wait_s = old
+    finally:
+        with lop.frames_lock:
+            for key in [k for k in lop.frames if k[0] in ("hog", "another-robot", "late")]:
+                del lop.frames[key]
+        client.close()
+
+
 def test_three_lines_hook_an_existing_model(shared_server, profile_dir):
     """Fig. 5's usage: the application's own model, hooked; calls return local's outputs
     through lop, the hook is removable, and a dead server falls back to local."""

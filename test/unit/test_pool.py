@@ -15,6 +15,8 @@ from robot_offload.pool import ServerDirectory, _Member
 from robot_offload.server import OffloadServer, ServerConfig
 from robot_offload.transport.inproc import InProcessTransport
 
+from schedules import lop_schedules
+
 MODEL = "mobilenet_v2"
 SIZE = [64, 64]
 
@@ -264,30 +266,6 @@ def test_no_hedge_goes_to_a_server_that_would_answer_no_sooner(servers):
         client.close()
 
 
-def _lop_schedules(client, profile_dir):
-    """A lop backend of ``client``, an input, its local outputs, and a spatial schedule of
-    each joining side at half share: {robot_joins: plan}."""
-    from robot_offload import backends
-    from robot_offload.partition.cost import predict_schedule
-    from robot_offload.partition.loss import Loss, _lop_plan
-    backend = backends.make_backend("lop", backends.BackendContext(
-        client.spec, client.model, client.link, client.config))
-    backend.calibration_inputs, backend.profile_repeats = 1, 1
-    x = client.spec.example_input(client.input_size, seed=7)
-    with torch.inference_mode():
-        ref = client.model(x)
-    ls, st = backend.lop_state(x), backend.state(x)
-    loss = Loss(backend.graph, ls.spatial, st.profile, backend.share_steps)
-    plans = {}
-    for i, rc in enumerate(loss.regions):
-        if rc.until is None and rc.robot_joins not in plans:
-            cand = loss.candidate(i, backend.share_steps // 2)
-            plans[rc.robot_joins] = _lop_plan(cand, "raw/none", predict_schedule(
-                st.profile, cand, "raw/none", 20e6, st.cfg), 20e6)
-    assert set(plans) == {True, False}, "no region of each joining side"
-    return backend, x, ref, plans
-
-
 def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(servers, tmp_path):
     """A lop frame whose rows the robot joins is one request that keeps nothing on the
     server: any server may answer it, and a late one is hedged. A frame joined on the
@@ -297,7 +275,7 @@ def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(s
     client, transports = _fleet(servers, mode="lop", balance="round_robin", hedge=False,
                                 profile_dir=str(tmp_path))
     try:
-        backend, x, ref, plans = _lop_schedules(client, str(tmp_path))
+        backend, x, ref, plans = lop_schedules(client)
         home = client.link.home.name
         # the graph capture at this shape goes to every server, the others not waited for
         before = {k: t.computes for k, t in transports.items()}

@@ -21,6 +21,10 @@ bandwidth changes:
   last cut's tensors, the robot puts them under its own and runs the rest itself (one
   round trip; only the server's share of those tensors comes down).
 
+With one server a spatial frame is hedged by the robot (:mod:`robot_offload.local_hedge`):
+when its transfers are late, or their uploads stall, the robot runs the rest of the model
+from the region's first cut on its own tensors, and the first answer wins.
+
 The layer-partition frames lop runs feed the same drift tracker as layer partitioning,
 and so do the whole layers of spatial frames (what runs after the join; their stripes do
 not: stripe predictions are biased, see ``_run_spatial``, and calibrate the stripes
@@ -51,6 +55,7 @@ from robot_offload.backends.layer_partition import (LayerPartitionBackend, _enco
                                                     frame_codec)
 from robot_offload.errors import OffloadTimeout, RemoteError
 from robot_offload.link import ANY_SERVER, EVERY_SERVER, HOME_SERVER
+from robot_offload.local_hedge import computed_here
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, Cut
 from robot_offload.partition.cost import join_encoding
 from robot_offload.partition.loss import LopPlan, LopTable, Loss, held_from, load_or_solve
@@ -461,9 +466,11 @@ class LopBackend(LayerPartitionBackend):
         if robot_joins and c2.kind != OUTPUT_CUT:
             args_a["join"] = "robot"
             down = before_outputs
+        hedge = self._hedge(x, st, c1, first, sg, stats)
         req_a = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
-            args_json=_json(args_a), output_codec=down[0], output_compression=down[1])
+            args_json=_json(args_a), output_codec=down[0], output_compression=down[1],
+            request_id=secrets.token_hex(8) if hedge else "")
         t_a = time.perf_counter()
         stats.add_compute(t0, t_a)
         # A whose rows the robot joins is the whole frame, so any server may answer it
@@ -475,9 +482,15 @@ class LopBackend(LayerPartitionBackend):
         # The robot's stripe, while transfer A is on the wire.
         mine = sg.run(region, need_r, {n: (t, 0) for n, t in first.items()})
         t_stripe = time.perf_counter()
+        hedge_key = f"lop:{c1.id}:{c2.id}:{'robot' if robot_joins else 'server'}"
         if robot_joins:
+            if hedge is not None:
+                y = hedge(hedge_key, [(req_a, fut_a)], t_a, deadline)
+                if y is not None:
+                    self._hedged(stats, plan, c1, c2, t0, t_a, t_stripe, [req_a])
+                    return y
             return self._join_on_robot(ls, st, plan, stats, region, c1, c2, first, mine, robot_rows,
-                                      fut_a, a_done, req_a, t0, t_a, deadline, (codec_a, bw),
+                                      fut_a, a_done, req_a, t0, t_a, t_stripe, deadline, (codec_a, bw),
                                       solved if observe_drift else None)
         b_parts = {}
         for name in region.outputs:
@@ -494,11 +507,27 @@ class LopBackend(LayerPartitionBackend):
             down = before_outputs
         req_b = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=b_tensors,
-            args_json=_json(args_b), output_codec=down[0], output_compression=down[1])
+            args_json=_json(args_b), output_codec=down[0], output_compression=down[1],
+            request_id=secrets.token_hex(8) if hedge else "")
         t_b = time.perf_counter()
         stats.add_compute(t_a, t_b)
-        resp_b = link.compute(req_b, deadline - t_b, placement=HOME_SERVER)
-        t_b_done = time.perf_counter()
+        if hedge is None:
+            resp_b = link.compute(req_b, deadline - t_b, placement=HOME_SERVER)
+            t_b_done = time.perf_counter()
+        else:
+            fut_b = link.submit(req_b, deadline - t_b, HOME_SERVER)
+            b_done = []
+            fut_b.add_done_callback(lambda _: b_done.append(time.perf_counter()))
+            y = hedge(hedge_key, [(req_a, fut_a), (req_b, fut_b)], t_a, deadline)
+            if y is not None:
+                self._hedged(stats, plan, c1, c2, t0, t_a, t_stripe, [req_a, req_b])
+                return y
+            try:
+                resp_b = fut_b.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except concurrent.futures.TimeoutError:
+                raise OffloadTimeout("lop: the answer to transfer B did not arrive before the deadline") from None
+            raise_for_status(resp_b.status, resp_b.status_text)
+            t_b_done = b_done[0] if b_done else time.perf_counter()
         resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
         t_tail = time.perf_counter()
         if plan.until:
@@ -559,6 +588,45 @@ class LopBackend(LayerPartitionBackend):
             "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
+    def _hedge(self, x, st, c1: Cut, first, sg: SpatialGraph, stats):
+        """The robot's hedge of a spatial frame (:meth:`LocalHedge.race
+        <robot_offload.local_hedge.LocalHedge.race>`): ``hedge(key, calls, sent, deadline)``
+        returns the outputs of the rest of the model from ``c1`` on the robot's own
+        ``first`` tensors (the whole model from the input cut) when the robot finished
+        before the server's answers, else None; or None: no hedging (several servers, or
+        hedging off)."""
+        local_hedge = self.ctx.local_hedge
+        if local_hedge is None:
+            return None
+        if c1.kind == INPUT_CUT:
+            compute = computed_here(self.ctx.model, lambda: [x], stats)
+            robot_s = st.profile.forward_s * st.cfg.robot_load
+        else:
+            tail = self.graph.tail_module(c1)
+            compute = computed_here(tail, lambda: [first[n] for n in c1.crossing]
+                                    + list(self.graph.static_values(c1, sg.metas)), stats)
+            robot_s = st.profile.cut(c1.id).tail_s * st.cfg.robot_load
+
+        def race(key, calls, sent, deadline):
+            return local_hedge.race(self.ctx.link, key, calls, sent, deadline - sent, stats, compute,
+                                    local_s=robot_s)
+        return race
+
+    @staticmethod
+    def _hedged(stats, plan: LopPlan, c1: Cut, c2: Cut, t0: float, t_a: float, t_stripe: float,
+                requests) -> None:
+        """The details of a spatial frame the robot's hedge answered (the server's answers
+        were late or their uploads stalled): its outputs are the local model's, from
+        ``c1`` on."""
+        stats.extra["lop"] = {
+            "schedule": plan.describe(), "spatial": True, "share": plan.share,
+            "first": c1.label, "last": c2.label, "hedged": True,
+            "join": "robot" if len(requests) == 1 else "server",
+            "predicted_s": plan.latency_s, "actual_s": time.perf_counter() - t0,
+            "bytes_a": requests[0].payload_bytes,
+            "bytes_b": requests[1].payload_bytes if len(requests) > 1 else 0,
+            "robot_stripe_s": t_stripe - t_a}
+
     def _robot_tail(self, until, resp, sg: SpatialGraph):
         """The rest of the model from cut ``until``, on the robot, on the tensors the
         server's answer carries (each by name, whole)."""
@@ -604,16 +672,15 @@ class LopBackend(LayerPartitionBackend):
                      *("%.2f" % total[s] if total.get(s) is not None else "-" for s in ("robot", "server")))
 
     def _join_on_robot(self, ls: _LopState, st, plan: LopPlan, stats, region: Region, c1: Cut, c2: Cut,
-                       first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, deadline: float,
-                       sent, solved: Optional[PlannerConfig]):
+                       first, mine, robot_rows, fut_a, a_done, req_a, t0: float, t_a: float, t_r: float,
+                       deadline: float, sent, solved: Optional[PlannerConfig]):
         """The end of a frame whose rows the robot joins: the server's answer to A carries
         its rows of every ``c2`` tensor (see :mod:`~robot_offload.server.executors.lop`);
         they go under the robot's own rows and the robot runs the tail after ``c2`` (when
         ``c2`` is the outputs, only their assembly). Nothing is sent after A, and only the
         server's share of ``c2`` comes down."""
         sg = ls.spatial
-        t_r = time.perf_counter()
-        stats.add_compute(t_a, t_r)
+        stats.add_compute(t_a, t_r)         # the robot's stripe (``t_r``: when it ended)
         resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
         theirs = {t.name: codec.decode(t) for t in resp_a.tensors}
         joined = []

@@ -34,8 +34,12 @@ One lop inference is two requests with the same client-chosen ``frame`` id:
     the request's output codec: the robot runs the rest (a detection decoder that takes
     milliseconds and turns 24 KB of head maps into 2 MB of predictions).
 
-Frames are kept per client id, at most :data:`MAX_FRAMES` in all and :data:`FRAME_TTL_S`
-seconds each; a ``finish`` without its ``part`` is refused once the wait expires. As for
+Frames are kept per client id, :data:`FRAME_TTL_S` seconds each, at most
+:data:`MAX_FRAMES_PER_CLIENT` of one client (a new part drops that client's oldest frame;
+its finish is refused, naming why) and :data:`MAX_FRAMES` in all (then a part is answered
+``BUSY``), so that parts whose finish never comes (refused ones, or those of a frame the
+robot's hedge answered) cannot keep other clients out; a ``finish`` without its ``part``
+is refused once the wait expires. As for
 every entry, the server runs only its own registry model, the request is checked before
 anything runs (names against the graph, shapes and dtypes against the stripe, integers
 in range), and nothing received is evaluated.
@@ -65,6 +69,9 @@ JOINS = ("server", "robot")
 FINISH_KEYS = frozenset({"phase", "frame", "last", "input_shape"})
 FINISH_OPTIONAL = frozenset({"until"})
 MAX_FRAMES = 32
+#: frames one client may hold waiting for their finish (a robot has one in flight, and a
+#: few left by hedges or failures)
+MAX_FRAMES_PER_CLIENT = 4
 FRAME_TTL_S = 30.0
 MAX_SPATIAL = 4         # spatial graphs kept per model (one per input shape)
 
@@ -187,6 +194,17 @@ class LopExecutor(Executor):
         for key in [k for k, f in self.frames.items() if now - f.created > FRAME_TTL_S]:
             del self.frames[key]
 
+    def _drop_oldest_of(self, client_id: str) -> None:
+        """Make room for one more frame of ``client_id`` (under ``frames_lock``): its
+        oldest frames go while it holds :data:`MAX_FRAMES_PER_CLIENT`; a finish waiting
+        for one learns why at once."""
+        mine = sorted((f.created, k) for k, f in self.frames.items() if k[0] == client_id)
+        for _, key in mine[:max(0, len(mine) - MAX_FRAMES_PER_CLIENT + 1)]:
+            frame = self.frames.pop(key)
+            frame.error = frame.error or (f"dropped: {MAX_FRAMES_PER_CLIENT} newer lop frames of "
+                                          "this client came before its finish")
+            frame.done.set()
+
     def __call__(self, loaded: LoadedModel, req: ComputeRequest) -> ComputeResponse:
         """One of the two requests of a lop inference (see the module docstring)."""
         server = self.server
@@ -213,6 +231,7 @@ class LopExecutor(Executor):
             self._expire(time.monotonic())
             if key in self.frames:
                 raise _bad(f"frame {args['frame']} was sent twice")
+            self._drop_oldest_of(req.client_id)
             if len(self.frames) >= MAX_FRAMES:
                 raise RequestRejected(StatusCode.BUSY, f"{MAX_FRAMES} lop frames are waiting; try later")
             self.frames[key] = frame
