@@ -88,7 +88,8 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
     robot started because the upload had stalled: then the bytes the server's host had
     acknowledged by then, over that time, are the sample (``hedge.upload`` in the
     details, see :mod:`robot_offload.local_hedge`; counted by TCP acknowledgements, it
-    shows a rate under ``min_bytes`` too).
+    shows a rate under ``min_bytes`` too); or because the answer had stalled: the bytes
+    of it received, over the time since its first (``hedge.download``).
 
     A frame that ran beside background work on the robot (planning; ``background`` in its
     details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
@@ -99,9 +100,12 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
         return None
     if stats.executed_mode == "local":
         hedge = _details(stats).get("hedge")
-        upload = hedge.get("upload") if isinstance(hedge, dict) else None
+        hedge = hedge if isinstance(hedge, dict) else {}
         try:
-            acked, after_s = int(upload["acked_bytes"]), float(upload["after_ms"]) / 1e3
+            if "upload" in hedge:
+                acked, after_s = int(hedge["upload"]["acked_bytes"]), float(hedge["upload"]["after_ms"]) / 1e3
+            else:
+                acked, after_s = int(hedge["download"]["received_bytes"]), float(hedge["download"]["for_ms"]) / 1e3
         except (TypeError, KeyError, ValueError):
             return None
         if acked <= 0 or not after_s > 0:

@@ -160,11 +160,11 @@ class OffloadClient:
         elif transport is not None:
             self.link = ServerLink(transport, config.client_id, config.model, self.weights_hash, **link_kw)
         # one server: a late full offload or partition tail is hedged by the robot itself
-        # (several servers: by the pool)
-        hedge = (LocalHedge(config.hedge_percentile, config.hedge_budget)
-                 if config.hedge and isinstance(self.link, ServerLink) and not isinstance(self.link, ServerPool)
-                 else None)
-        self._ctx = backends.BackendContext(self.spec, self.model, self.link, config, local_hedge=hedge)
+        # (several servers: by the pool, but for calls bound to the home server)
+        hedge = LocalHedge(config.hedge_percentile, config.hedge_budget) if config.hedge and self.link is not None else None
+        one_server = isinstance(self.link, ServerLink) and not isinstance(self.link, ServerPool)
+        self._ctx = backends.BackendContext(self.spec, self.model, self.link, config,
+                                            local_hedge=hedge if one_server else None, home_hedge=hedge)
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0

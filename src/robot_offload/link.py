@@ -144,6 +144,11 @@ class ServerLink:
         acknowledged so far, or None where the transport cannot tell."""
         return self.transport.upload_acked(request.request_id) if request.request_id else None
 
+    def download_received(self, request: ComputeRequest) -> Optional[int]:
+        """Bytes of the answer to ``request`` (in flight, from :meth:`submit`) that have
+        arrived so far, or None where the transport cannot tell."""
+        return self.transport.download_received(request.request_id) if request.request_id else None
+
     def abandon(self, request: ComputeRequest) -> bool:
         """Stop sending what is left of ``request`` (in flight, from :meth:`submit`; its
         answer no longer wanted); True where the transport did (see

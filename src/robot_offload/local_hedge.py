@@ -27,10 +27,14 @@ from the kernel's TCP counters), the robot watches the upload every :data:`POLL_
 once the rate of the last :data:`STALL_WINDOW_S` would take longer to send what is left
 than the robot takes for the whole frame, it starts then (``hedge.upload`` in the frame's
 details: the bytes acknowledged and after how long). A fade that begins during a frame
-then costs about the robot's own time, not that plus twice it. When the robot answers a
-frame whose upload has not gone through, the upload is abandoned (its connection reset,
-the unsent rest dropped, ``hedge.upload_abandoned``): its rest would otherwise hold the slow link against the next
-frames, whose hedges then won too and left more behind, until calls missed their deadline.
+then costs about the robot's own time, not that plus twice it. Once the upload has gone
+through, the answer is watched the same way (the bytes received, against the size of the
+last answer of the call's kind; ``hedge.download``), for a fade under a large answer
+(KAPAO's 2 MB of predictions). When the robot answers a frame whose upload has not gone
+through, or whose answer is still arriving, the call is abandoned (its connection reset,
+the unsent rest dropped, ``hedge.upload_abandoned`` or ``hedge.answer_abandoned``): its
+rest would otherwise hold the slow link against the next frames, whose hedges then won
+too and left more behind, until calls missed their deadline.
 """
 
 import collections
@@ -69,6 +73,7 @@ class LocalHedge:
         self._round_trips: Dict[str, collections.deque] = {}     # per kind of call
         self._local_s = collections.deque(maxlen=LOCAL_WINDOW)
         self._hedged = collections.deque(maxlen=BUDGET_WINDOW)     # True: that call hedged
+        self._answer_bytes: Dict[str, int] = {}       # per kind of call: its last answer's size
         self.figures = {"calls": 0, "hedges": 0, "local_won": 0, "server_won": 0}
 
     def observe_local(self, seconds: float) -> None:
@@ -130,6 +135,8 @@ class LocalHedge:
         if plan is None:
             response = link.compute(request, timeout_s)
             self.observe_round_trip(key, time.perf_counter() - sent)
+            with self._lock:
+                self._answer_bytes[key] = response.payload_bytes
             self.count(False)
             return response, None
         request = dataclasses.replace(request, request_id=secrets.token_hex(8))
@@ -175,21 +182,28 @@ class LocalHedge:
         start = False
         if plan is not None:
             upload = _Upload(sum(r.payload_bytes for r, _ in calls), watch_from_s=time.perf_counter() - sent)
+            with self._lock:
+                answer_bytes = self._answer_bytes.get(key)
+            download = _Download(answer_bytes) if answer_bytes else None
             with background.GATE.waiting():
-                start = _wait_until_late(futures, lambda: _acked(link, calls), upload, sent, *plan, timeout_s)
+                start = _wait_until_late(futures, (upload, lambda: _acked(link, calls)),
+                                         (download, lambda: _received(link, calls)), sent, *plan, timeout_s)
         if start:
             started = time.perf_counter()
             outputs = compute_locally(lambda: all(_answered_ok(f) for f in futures))
             detail = {"robot_started_after_ms": round((started - sent) * 1e3, 1)}
-            if upload.stalled_at is not None:
-                detail["upload"] = upload.stalled_at
+            for name, watch in (("upload", upload), ("download", download)):
+                if watch is not None and watch.stalled_at is not None:
+                    detail[name] = watch.stalled_at
             if outputs is not None:
                 self.count(True, "local")
                 if local_s is None:
                     self.observe_local(time.perf_counter() - started)
-                for request, _ in calls:
-                    if _still_uploading(link, request) and link.abandon(request):
-                        detail["upload_abandoned"] = True      # the server never had it whole
+                for request, future in calls:
+                    moving = _in_transfer(link, request, future)
+                    if moving and link.abandon(request):
+                        # the server never had it whole, or its answer was still arriving
+                        detail[f"{moving}_abandoned"] = True
                     else:
                         _cancel(link, request)
                     stats.add_call(sent, started, 0.0, request.payload_bytes, 0)
@@ -204,6 +218,9 @@ class LocalHedge:
             concurrent.futures.wait(futures, timeout=max(0.0, sent + timeout_s - time.perf_counter()))
         if len(answered_at) == len(futures):
             self.observe_round_trip(key, max(answered_at) - sent)
+            if all(_answered_ok(f) for f in futures):
+                with self._lock:
+                    self._answer_bytes[key] = sum(f.result().payload_bytes for f in futures)
         return None
 
 
@@ -239,17 +256,42 @@ class _Upload:
         rate_bps = (acked - acked0) * 8 / (waited_s - t0)
         if rate_bps * local_s >= (self.size_bytes - acked) * 8:
             return False
-        self.stalled_at = {"acked_bytes": int(acked), "of_bytes": self.size_bytes,
+        self.stalled_at = {self.DONE_KEY: int(acked), "of_bytes": self.size_bytes,
                            "after_ms": round(waited_s * 1e3, 1), "rate_bps": round(rate_bps)}
         return True
 
+    DONE_KEY = "acked_bytes"
 
-def _wait_until_late(futures, read_acked: Callable[[], Optional[int]], upload: _Upload, sent: float,
-                     late_s: Optional[float], local_s: float, remaining_s: float) -> bool:
+
+class _Download(_Upload):
+    """The answer's arrival, read once the upload has gone through: the bytes received
+    against the size of the last answer of the call's kind (the same rule as the upload's,
+    from the answer's first bytes on; ``for_ms`` in the details: since then)."""
+
+    DONE_KEY = "received_bytes"
+
+    def stalled(self, waited_s: float, received: Optional[int], local_s: float) -> bool:
+        if received is None:
+            self.readable = False              # the transport cannot tell
+            return False
+        if received == 0:
+            return False                       # not begun: the server is still at it
+        first_s = self.readings[0][0] if self.readings else waited_s
+        if not super().stalled(waited_s, received, local_s):
+            return False
+        self.stalled_at["for_ms"] = round((waited_s - first_s) * 1e3, 1)
+        return True
+
+
+def _wait_until_late(futures, upload, download, sent: float, late_s: Optional[float], local_s: float,
+                     remaining_s: float) -> bool:
     """Wait for ``futures`` until the robot should start on the frame: True once the call
-    is ``late_s`` old, or its upload stalls (:meth:`_Upload.stalled`) with time left for
-    the robot's ``local_s``; False when all answered first, one failed (the frame falls
-    back), or waiting left the robot no time."""
+    is ``late_s`` old, or its transfer stalls with time left for the robot's ``local_s``:
+    the upload (``upload``: an :class:`_Upload` and a reader of the bytes acknowledged),
+    then, once it went through, the answer (``download``: a :class:`_Download`, or None
+    where no answer's size is known, and a reader of the bytes received); False when all
+    answered first, one failed (the frame falls back), or waiting left the robot no time."""
+    (up, read_acked), (down, read_received) = upload, download
     while not all(f.done() for f in futures):
         if any(f.done() and not _answered_ok(f) for f in futures):
             return False
@@ -258,10 +300,14 @@ def _wait_until_late(futures, read_acked: Callable[[], Optional[int]], upload: _
             return True
         if waited + local_s > remaining_s:
             return False
-        if upload.readable and upload.stalled(waited, read_acked(), local_s):
+        if up.readable:
+            if up.stalled(waited, read_acked(), local_s):
+                return True
+        elif down is not None and down.readable and down.stalled(waited, read_received(), local_s):
             return True
+        polling = up.readable or (down is not None and down.readable)
         until = late_s if late_s is not None else remaining_s - local_s
-        step = min(POLL_S, until - waited) if upload.readable else until - waited
+        step = min(POLL_S, until - waited) if polling else until - waited
         concurrent.futures.wait([f for f in futures if not f.done()], timeout=max(step, 0.0),
                                 return_when=concurrent.futures.FIRST_COMPLETED)
     return False
@@ -282,10 +328,30 @@ def _acked(link, calls) -> Optional[int]:
     return total
 
 
-def _still_uploading(link, request: ComputeRequest) -> bool:
-    """Whether the server's host is known not to have acknowledged all of ``request``."""
+def _received(link, calls) -> Optional[int]:
+    """Bytes of the ``(request, future)`` calls' answers that have arrived (an answered
+    call's whole answer), or None where the transport cannot tell for one still running."""
+    total = 0
+    for request, future in calls:
+        if future.done():
+            if future.exception() is None:
+                total += future.result().payload_bytes
+            continue
+        received = link.download_received(request)
+        if received is None:
+            return None
+        total += received
+    return total
+
+
+def _in_transfer(link, request: ComputeRequest, future) -> Optional[str]:
+    """``"upload"`` where the server's host is known not to have acknowledged all of
+    ``request``, ``"answer"`` where its answer is known to be arriving, else None."""
     acked = link.upload_acked(request)
-    return acked is not None and acked < request.payload_bytes
+    if acked is not None and acked < request.payload_bytes:
+        return "upload"
+    received = link.download_received(request)
+    return "answer" if received and not future.done() else None
 
 
 def _answered_ok(future) -> bool:

@@ -340,6 +340,28 @@ class ServerPool:
                 if self._home is home:
                     self._home = None
 
+    def upload_acked(self, request: ComputeRequest) -> Optional[int]:
+        """:meth:`ServerLink.upload_acked` on whichever server's link carries ``request``
+        (by its ``request_id``), or None."""
+        for m in self._snapshot():
+            acked = m.link.upload_acked(request)
+            if acked is not None:
+                return acked
+        return None
+
+    def download_received(self, request: ComputeRequest) -> Optional[int]:
+        """:meth:`ServerLink.download_received` on whichever server's link carries
+        ``request``, or None."""
+        for m in self._snapshot():
+            received = m.link.download_received(request)
+            if received is not None:
+                return received
+        return None
+
+    def abandon(self, request: ComputeRequest) -> bool:
+        """:meth:`ServerLink.abandon` on whichever server's link carries ``request``."""
+        return any(m.link.abandon(request) for m in self._snapshot())
+
     def take_frame_report(self) -> Optional[dict]:
         """What the pool did for this thread's frame since the last call (servers used,
         hedges, failovers), and start a new one."""

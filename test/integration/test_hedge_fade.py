@@ -70,7 +70,97 @@ client.close()
 """
 
 
-def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_late(tmp_path):
+# The same for a spatial lop frame the server joins: transfer A goes out before the
+# robot computes its stripe, B after it; under the fade both are abandoned.
+ROBOT_LOP = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, rospy
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.pool import MIN_SAMPLES
+from robot_offload.ros.transport import RosServiceTransport
+from robot_offload.stats import FrameStats
+from schedules import lop_schedules
+torch.set_num_threads(1)
+rospy.init_node("hedge_fade_lop", anonymous=True, disable_signals=True)
+client = OffloadClient(ClientConfig(model="resnet101", mode="lop", input_size=(224, 224),
+                                    load_timeout_s=120, timeout_s=20, hedge_budget=0.5,
+                                    profile_dir=sys.argv[2], partition_codecs=("raw",)),
+                       RosServiceTransport("/offload_server"))
+assert client.connect(), client.link.last_error
+backend, x, ref, plans = lop_schedules(client, client._get_backend("lop"))
+plan = plans[False]
+for k in range(MIN_SAMPLES + 4):
+    stats = FrameStats()
+    backend.run_schedule(x, plan, stats, 20.0)
+    assert stats.executed_mode != "local" and stats.extra["lop"]["spatial"], stats.extra
+lop = stats.extra["lop"]
+print(json.dumps({"warm": True, "bytes": lop["bytes_a"] + lop["bytes_b"], "join": lop["join"]}), flush=True)
+assert sys.stdin.readline().strip() == "faded"
+stats = FrameStats()
+t0 = time.perf_counter()
+y = backend.run_schedule(x, plan, stats, 20.0)
+print(json.dumps({"executed_mode": stats.executed_mode, "hedge": stats.extra.get("hedge"),
+                  "lop": stats.extra.get("lop"), "seconds": time.perf_counter() - t0,
+                  "same_as_local": bool(torch.equal(y, ref))}), flush=True)
+assert sys.stdin.readline().strip() == "restored"
+time.sleep(0.5)
+stats = FrameStats()
+t0 = time.perf_counter()
+y = backend.run_schedule(x, plan, stats, 20.0)
+print(json.dumps({"next_mode": stats.executed_mode, "next_s": time.perf_counter() - t0,
+                  "next_hedge": stats.extra.get("hedge"),
+                  "next_same": bool(torch.allclose(y, ref, rtol=1e-4, atol=1e-4))}), flush=True)
+client.close()
+"""
+
+
+# A fade under the answer: the upload goes through at the fast rate, KAPAO-L's predictions
+# (about 1 MB at 256 x 256) come down at the faded one.
+ROBOT_ANSWER = r"""
+import json, sys, time
+import torch, rospy
+from robot_offload import structure
+from robot_offload.camera import natural_image
+from robot_offload.client import ClientConfig, OffloadClient
+from robot_offload.pool import MIN_SAMPLES
+from robot_offload.ros.transport import RosServiceTransport
+torch.set_num_threads(1)
+rospy.init_node("hedge_fade_answer", anonymous=True, disable_signals=True)
+client = OffloadClient(ClientConfig(model="kapao_l", mode="full_offload", input_size=(256, 256),
+                                    load_timeout_s=120, timeout_s=20, hedge_budget=0.5),
+                       RosServiceTransport("/offload_server"))
+assert client.connect(), client.link.last_error
+client.warm_up()
+for k in range(MIN_SAMPLES + 4):
+    _, stats = client.process(natural_image(256, 256, seed=k))
+    assert stats.executed_mode == "full_offload", (stats.executed_mode, stats.fallback_reason, stats.extra)
+print(json.dumps({"warm": True, "local_s": client._ctx.local_hedge._local_s[-1],
+                  "bytes_down": stats.bytes_down}), flush=True)
+assert sys.stdin.readline().strip() == "faded"
+frame = natural_image(256, 256, seed=99)
+with torch.inference_mode():
+    ref = client.model(client.preprocess(frame))
+t0 = time.perf_counter()
+y, stats = client.process(frame)
+same = all(torch.equal(a, b) for a, b in zip(structure.flatten(y)[0], structure.flatten(ref)[0]))
+print(json.dumps({"executed_mode": stats.executed_mode, "fallback_reason": stats.fallback_reason,
+                  "hedge": stats.extra.get("hedge"), "seconds": time.perf_counter() - t0,
+                  "same_as_local": same}), flush=True)
+assert sys.stdin.readline().strip() == "restored"
+time.sleep(0.5)
+t0 = time.perf_counter()
+_, nxt = client.process(natural_image(256, 256, seed=100))
+print(json.dumps({"next_mode": nxt.executed_mode, "next_s": time.perf_counter() - t0,
+                  "next_fallback": nxt.fallback_reason}), flush=True)
+client.close()
+"""
+
+
+def _fade(tmp_path, program, model, *args, fast_bps=FAST_BPS, down_only=False):
+    """Run ``program`` (with ``args``) in the robot's namespace against server.launch
+    (``model`` preloaded): warm at the fast rate, one frame faded (both ways, or
+    ``down_only``), one restored; its two JSON lines."""
     env = {"ROS_MASTER_URI": f"http://10.231.0.1:{PORT}", "ROS_HOME": str(tmp_path),
            "ROS_LOG_DIR": str(tmp_path / "log"), "PYTHONUNBUFFERED": "1"}
     logs = []
@@ -83,28 +173,28 @@ def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_
         with Testbed(fallback=False) as tb:
             env["ROS_MASTER_URI"] = f"http://{tb.server_ip}:{PORT}"
             senv, renv = dict(env, ROS_IP=tb.server_ip), dict(env, ROS_IP=tb.robot_ip)
-            tb.set_rate(FAST_BPS)
+            tb.set_rate(fast_bps)
             core = tb.run("server", ["roscore", "-p", str(PORT)], env=senv, stdout=log("roscore.log"),
                           stderr=subprocess.STDOUT)
             wait_for_master(tb, senv, core)
             server = tb.run("server", ["roslaunch", "--screen", "robot_offload", "server.launch",
-                                       "preload:=[resnet101]", "device:=cpu"],
+                                       f"preload:=[{model}]", "device:=cpu"],
                             env=senv, stdout=log("server.log"), stderr=subprocess.STDOUT)
             end = time.monotonic() + 180
             while "ready on" not in (tmp_path / "server.log").read_text(errors="replace"):
                 assert server.poll() is None and time.monotonic() < end, "offload_server did not start"
                 time.sleep(0.1)
-            robot = tb.run("robot", [sys.executable, "-c", ROBOT], env=renv, stdin=subprocess.PIPE,
+            robot = tb.run("robot", [sys.executable, "-c", program, *args], env=renv, stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=log("robot.log"), text=True)
             warm = json.loads(robot.stdout.readline() or "{}")
             assert warm.get("warm"), (tmp_path / "robot.log").read_text()[-3000:]
-            tb.set_rate(FADED_BPS)
+            tb.set_rate(fast_bps, down_bps=FADED_BPS) if down_only else tb.set_rate(FADED_BPS)
             robot.stdin.write("faded\n")
             robot.stdin.flush()
             line = robot.stdout.readline()
             assert line, (tmp_path / "robot.log").read_text()[-3000:]
             got = json.loads(line)
-            tb.set_rate(FAST_BPS)
+            tb.set_rate(fast_bps)
             robot.stdin.write("restored\n")
             robot.stdin.flush()
             got.update(json.loads(robot.stdout.readline() or "{}"))
@@ -112,6 +202,11 @@ def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_
     finally:
         for f in logs:
             f.close()
+    return warm, got
+
+
+def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_late(tmp_path):
+    warm, got = _fade(tmp_path, ROBOT, "resnet101")
     print("\n", warm, got)
     hedge = got["hedge"] or {}
     assert got["executed_mode"] == "local" and not got["fallback_reason"], got
@@ -125,3 +220,38 @@ def test_a_fade_under_the_upload_is_answered_by_the_robot_without_waiting_to_be_
     # the rest of the upload was dropped with its connection, not left on the slow link
     assert hedge.get("upload_abandoned") is True, got
     assert got["next_s"] < 2.0, got
+
+
+def test_a_lop_frame_under_a_fade_is_answered_by_the_robot(tmp_path):
+    """A spatial lop frame the server joins, under the fade: the robot runs the rest of
+    the model from the region's first cut, its outputs are local's, both uploads are
+    dropped with their connections, and the next frame after the fade is the server's."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # its raw activations (2 MB a frame) are offloaded at 500 Mbit/s, not at 50
+    warm, got = _fade(tmp_path, ROBOT_LOP, "resnet101", tests, str(tmp_path / "profiles"), fast_bps=500e6)
+    print("\n", warm, got)
+    assert warm["join"] == "server", warm
+    hedge = got["hedge"] or {}
+    assert got["executed_mode"] == "local" and hedge.get("won") == "local", got
+    assert got["lop"]["hedged"] and got["same_as_local"], got
+    assert hedge.get("upload_abandoned") is True, got
+    assert got["seconds"] < 2.0, got
+    assert got.get("next_mode") != "local" and (got["next_hedge"] or {}).get("won", "server") == "server", got
+    assert got["next_same"] and got["next_s"] < 2.0, got
+
+
+def test_a_fade_under_the_answer_is_answered_by_the_robot(tmp_path):
+    """The upload goes through, then the answer (KAPAO-L's predictions) crawls: the robot
+    reads the bytes arriving, starts once they come slower than the rest could in its own
+    time, and its answer, equal to local's, is the frame's; the call is abandoned."""
+    warm, got = _fade(tmp_path, ROBOT_ANSWER, "kapao_l", fast_bps=200e6, down_only=True)
+    print("\n", warm, got)
+    hedge = got["hedge"] or {}
+    assert got["executed_mode"] == "local" and not got["fallback_reason"], got
+    assert hedge.get("won") == "local" and "download" in hedge and "upload" not in hedge, got
+    answer = hedge["download"]
+    assert 0 < answer["received_bytes"] < answer["of_bytes"] and answer["rate_bps"] < 2e6, got
+    # the late rule would have waited twice the robot's forward at least
+    assert hedge["robot_started_after_ms"] / 1e3 < 2 * warm["local_s"], (warm, got)
+    assert got["same_as_local"] and hedge.get("answer_abandoned") is True, got
+    assert got.get("next_mode") == "full_offload" and not got["next_fallback"] and got["next_s"] < 2.0, got

@@ -230,6 +230,13 @@ def test_a_hedge_started_by_a_stalled_upload_measures_the_upload_so_far():
     est.add(bw.frame_transfer(s, 3.0))
     assert est.predict_bps() == pytest.approx(0.8e6)
     assert est.add(bw.TransferSample(t_s=4.0, bytes=20_000, duration_s=0.2)) is None   # not by acks
+    # a stalled answer: the bytes received since its first, over that time
+    answer = {"received_bytes": 30_000, "of_bytes": 2_000_000, "after_ms": 900.0, "for_ms": 300.0,
+              "rate_bps": 800_000}
+    s.extra["hedge"] = {"won": "local", "download": answer}
+    assert bw.frame_transfer(s, 5.0) == bw.TransferSample(t_s=5.0, bytes=30_000, duration_s=0.3, acked=True)
+    s.extra["hedge"] = {"won": "local", "download": dict(answer, for_ms=None)}
+    assert bw.frame_transfer(s, 5.0) is None
 
 
 def test_a_frame_beside_background_work_gives_only_a_floor_of_the_rate():

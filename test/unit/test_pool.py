@@ -316,6 +316,41 @@ def test_lop_parts_the_robot_joins_are_balanced_and_hedged_and_pairs_stay_home(s
         client.close()
 
 
+def test_a_late_lop_pair_is_hedged_by_the_robot(servers, tmp_path):
+    """A pair stays on the home server, so no other server can hedge it: when the home
+    server is late, the robot runs the rest of the frame itself, its outputs are local's,
+    and both requests are taken back."""
+    from robot_offload.pool import MIN_SAMPLES
+    from robot_offload.stats import FrameStats
+    client, transports = _fleet(servers, mode="lop", hedge=True, hedge_budget=0.5,
+                                profile_dir=str(tmp_path))
+    try:
+        assert client._ctx.local_hedge is None and client._ctx.home_hedge is not None
+        backend, x, ref, plans = lop_schedules(client, client._get_backend("lop"))
+        home = client.link.home.name
+        transports[home].delay_s = 0.2
+        for _ in range(MIN_SAMPLES + 3):
+            stats = FrameStats()
+            y = backend.run_schedule(x, plans[False], stats, 10.0)
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+            assert stats.executed_mode != "local" and stats.extra["lop"]["join"] == "server", stats.extra
+        computes = transports[home].computes
+        transports[home].delay_s = 3.0
+        stats = FrameStats()
+        t0 = time.perf_counter()
+        y = backend.run_schedule(x, plans[False], stats, 10.0)
+        assert time.perf_counter() - t0 < 2.0
+        assert stats.executed_mode == "local" and stats.extra["hedge"]["won"] == "local", stats.extra
+        assert stats.extra["lop"]["hedged"], stats.extra
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        deadline = time.monotonic() + 2.0        # A, B and their two cancels reached home
+        while transports[home].computes < computes + 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert transports[home].computes == computes + 4
+    finally:
+        client.close()
+
+
 def test_a_hedges_loser_still_waiting_for_a_slot_is_cancelled_there(servers):
     """The first answer wins and the loser is taken back: where it still waits for a
     compute slot (another robot's request holds /a's), /a drops it without computing it."""

@@ -33,6 +33,9 @@ class BackendContext:
     shared: Dict[str, object] = field(default_factory=dict)
     #: with one server: when a late full offload is hedged by the robot (None: never)
     local_hedge: Optional[LocalHedge] = None
+    #: the robot's hedge of calls bound to the home server (``lop``'s pairs): with one
+    #: server ``local_hedge`` itself; with several, where the pool hedges every other call
+    home_hedge: Optional[LocalHedge] = None
     # the last frame preprocessed: (frame, its FrameStats, the model input)
     _last: Optional[tuple] = field(default=None, repr=False, compare=False)
     _last_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -466,7 +466,7 @@ class LopBackend(LayerPartitionBackend):
         if robot_joins and c2.kind != OUTPUT_CUT:
             args_a["join"] = "robot"
             down = before_outputs
-        hedge = self._hedge(x, st, c1, first, sg, stats)
+        hedge = self._hedge(x, st, c1, first, sg, stats, pair=not robot_joins)
         req_a = ComputeRequest(
             client_id=link.client_id, model=link.model, entry="lop_part", tensors=a_tensors,
             args_json=_json(args_a), output_codec=down[0], output_compression=down[1],
@@ -588,14 +588,15 @@ class LopBackend(LayerPartitionBackend):
             "solve_s": ls.table.solve_s, "replans": self.replans}
         return y
 
-    def _hedge(self, x, st, c1: Cut, first, sg: SpatialGraph, stats):
+    def _hedge(self, x, st, c1: Cut, first, sg: SpatialGraph, stats, pair: bool):
         """The robot's hedge of a spatial frame (:meth:`LocalHedge.race
         <robot_offload.local_hedge.LocalHedge.race>`): ``hedge(key, calls, sent, deadline)``
         returns the outputs of the rest of the model from ``c1`` on the robot's own
         ``first`` tensors (the whole model from the input cut) when the robot finished
-        before the server's answers, else None; or None: no hedging (several servers, or
-        hedging off)."""
-        local_hedge = self.ctx.local_hedge
+        before the server's answers, else None; or None: no hedging (hedging off, or a
+        frame the robot joins with several servers: the pool hedges its one request). A
+        ``pair`` is bound to the home server, so only the robot can hedge it."""
+        local_hedge = self.ctx.home_hedge if pair else self.ctx.local_hedge
         if local_hedge is None:
             return None
         if c1.kind == INPUT_CUT:

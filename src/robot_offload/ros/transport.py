@@ -26,7 +26,7 @@ from robot_offload.errors import OffloadTimeout, ServerUnavailable
 from robot_offload.ros import conversions as conv
 from robot_offload.srv import Compute, LoadModel, Ping
 from robot_offload.transport.base import Transport, shutdown_now
-from robot_offload.transport.tcp import abort, bytes_acked
+from robot_offload.transport.tcp import abort, bytes_acked, bytes_received
 
 # method -> (service name under the server's namespace, srv type, to_srv, from_srv)
 SERVICES = {
@@ -46,7 +46,7 @@ class RosServiceTransport(Transport):
         self._free = defaultdict(list)
         self._in_use = 0
         self._lock = threading.Lock()
-        self._uploads = {}    # request_id of a compute call in flight -> (proxy, bytes acked before it)
+        self._uploads = {}    # request_id of a compute call in flight -> (proxy, bytes acked, bytes received before it)
         # Callers wait on these workers; a worker stuck on a dead socket is freed by close().
         self._workers = self._executor(self._max_workers(), "call")
 
@@ -96,15 +96,16 @@ class RosServiceTransport(Transport):
         return from_srv(reply)
 
     def _watch_upload(self, method, request, proxy):
-        """Note where ``request``'s upload starts on ``proxy``'s connection: the bytes it
-        has acknowledged so far, or, on a connection this call opens, none (its count
-        starts at 1, the SYN, and its first bytes are the connection header, a few
-        hundred)."""
+        """Note where ``request``'s upload and its answer start on ``proxy``'s connection:
+        the bytes it has acknowledged and received so far. On a connection this call
+        opens: none acknowledged (its count starts at 1, the SYN, and its first bytes are
+        the connection header, a few hundred), and the answer not watched (the server's
+        connection header comes first, and its size is not known here)."""
         request_id = getattr(request, "request_id", "") if method == "compute" else ""
         if not request_id:
             return None
         sock = _socket_of(proxy)
-        entry = (proxy, 1 if sock is None else bytes_acked(sock))
+        entry = (proxy, 1, None) if sock is None else (proxy, bytes_acked(sock), bytes_received(sock))
         if entry[1] is None:              # the kernel does not say
             return None
         with self._lock:
@@ -118,6 +119,14 @@ class RosServiceTransport(Transport):
             return None
         now = bytes_acked(_socket_of(entry[0]))
         return None if now is None else max(0, now - entry[1])
+
+    def download_received(self, request_id):
+        with self._lock:
+            entry = self._uploads.get(request_id)
+        if entry is None or entry[2] is None:
+            return None
+        now = bytes_received(_socket_of(entry[0]))
+        return None if now is None else max(0, now - entry[2])
 
     def abandon(self, request_id):
         with self._lock:

@@ -105,6 +105,12 @@ class Transport(abc.ABC):
         its connection yet or over, a kernel that does not say)."""
         return None
 
+    def download_received(self, request_id: str) -> Optional[int]:
+        """Bytes of the answer to the compute request ``request_id``, now in flight, that
+        have arrived so far; None where that is not known (as for :meth:`upload_acked`,
+        and on a connection the call opened)."""
+        return None
+
     def abandon(self, request_id: str) -> bool:
         """Stop sending what is left of the compute request ``request_id`` (in flight, its
         answer no longer wanted): its connection is reset, so the unsent rest of it does not hold

@@ -1,10 +1,12 @@
-"""How much of what a TCP socket sent its peer has acknowledged, from the kernel.
+"""How much of what a TCP socket sent its peer has acknowledged, and how much it has
+received, from the kernel.
 
-``TCP_INFO``'s ``tcpi_bytes_acked`` (Linux 4.2 and later, so every Jetson L4T and the
-Debian 12 server) counts the bytes the peer has acknowledged on the connection since it
-opened. Read before and during a request's upload it says how far the upload has got: the
-rate the link is giving this very transfer, which a robot can act on before any answer
-comes back (:mod:`robot_offload.local_hedge`).
+``TCP_INFO``'s ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` (Linux 4.2 and later, so
+every Jetson L4T and the Debian 12 server) count the bytes the peer has acknowledged, and
+the bytes that arrived, on the connection since it opened. Read before and during a call
+they say how far its upload, then its answer, has got: the rate the link is giving this
+very transfer, which a robot can act on before the answer is whole
+(:mod:`robot_offload.local_hedge`).
 """
 
 import socket
@@ -14,6 +16,8 @@ from typing import Optional
 #: offset of ``tcpi_bytes_acked`` (u64) in ``struct tcp_info`` (include/uapi/linux/tcp.h):
 #: 8 one-byte fields, 24 u32 fields, ``tcpi_pacing_rate`` and ``tcpi_max_pacing_rate``
 BYTES_ACKED_OFFSET = 120
+#: offset of ``tcpi_bytes_received`` (u64), right after it
+BYTES_RECEIVED_OFFSET = 128
 _INFO_LEN = 256
 
 
@@ -21,15 +25,25 @@ def bytes_acked(sock) -> Optional[int]:
     """Bytes the peer of the TCP socket ``sock`` has acknowledged since it connected, or
     None where the kernel does not say (another OS, an older kernel, a closed socket, no
     socket at all)."""
+    return _info_u64(sock, BYTES_ACKED_OFFSET)
+
+
+def bytes_received(sock) -> Optional[int]:
+    """Bytes of data the TCP socket ``sock`` has received since it connected (whether or
+    not they were read yet), or None where the kernel does not say."""
+    return _info_u64(sock, BYTES_RECEIVED_OFFSET)
+
+
+def _info_u64(sock, offset: int) -> Optional[int]:
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _INFO_LEN)
     except (OSError, ValueError):
         return None
-    if len(info) < BYTES_ACKED_OFFSET + 8:
+    if len(info) < offset + 8:
         return None
-    return struct.unpack_from("=Q", info, BYTES_ACKED_OFFSET)[0]
+    return struct.unpack_from("=Q", info, offset)[0]
 
 
 def abort(sock) -> None:
