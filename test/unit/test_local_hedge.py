@@ -70,28 +70,10 @@ class _FadingUpload(_SlowLink):
         return int((time.perf_counter() - began[0]) * self.fade_bps / 8)
 
 
-class _FadingAnswer(_SlowLink):
-    """A :class:`_SlowLink` whose uploads go through at once and whose answers, for the
-    next ``fading`` late calls, arrive at ``fade_bps`` from 50 ms into the call (the
+class _FadingAnswer(_FadingUpload):
+    """A :class:`_FadingUpload` whose uploads go through at once and whose answers, for
+    the next ``fading`` late calls, arrive at ``fade_bps`` from 50 ms into the call (the
     server's compute before that); other answers cannot be watched."""
-
-    def __init__(self, server, link_s):
-        super().__init__(server, link_s)
-        self.fade_bps, self.fading = 0.0, 0
-        self._began = {}
-        self.abandoned = []
-
-    def _call(self, method, request, timeout_s):
-        if method == "compute" and request.request_id and request.entry != "cancel":
-            with self._lock:
-                fading = self.fading > 0 and self.late > 0
-                self.fading -= 1
-            self._began[request.request_id] = (time.perf_counter(), fading)
-        return super()._call(method, request, timeout_s)
-
-    def abandon(self, request_id):
-        self.abandoned.append(request_id)
-        return True
 
     def upload_acked(self, request_id):
         return 10 ** 9 if request_id in self._began else None
@@ -141,13 +123,17 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
         client.close()
 
 
-def test_a_stalled_upload_starts_the_robot_before_the_call_is_late(shared_server):
-    """The link fades under a frame's upload: the robot starts once the upload's rate says
-    the rest would take longer than the robot's whole frame (a few polls in), not at the
-    percentile of the round trips (0.6 s here); its answer is the local one, the rest of
-    the upload is abandoned (no cancel needed: the server never had it whole), and the
-    frame's details say how far the upload had got."""
-    client, link = _client(shared_server, link_s=0.6, link_type=_FadingUpload)
+@pytest.mark.parametrize("where", ["upload", "download"])
+def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_server, where):
+    """The link fades under a frame's upload, or, once that went through, under its
+    answer: the robot starts once the transfer's rate says the rest would take longer
+    than the robot's whole frame (a poll or two past the window, counted from the
+    answer's first bytes), not at the percentile of the round trips (0.6 s here); its
+    answer is the local one, the call is abandoned (no cancel needed: the server never had
+    the request whole, or its answer is dropped), and the frame's details say how far the
+    transfer had got."""
+    client, link = _client(shared_server, link_s=0.6,
+                           link_type=_FadingUpload if where == "upload" else _FadingAnswer)
     try:
         for k in range(MIN_SAMPLES + 4):
             client.process(_frame(k))
@@ -159,14 +145,15 @@ def test_a_stalled_upload_starts_the_robot_before_the_call_is_late(shared_server
         y, stats = client.process(frame)
         assert stats.executed_mode == "local" and not stats.fallback_reason, stats.extra
         hedge = stats.extra["hedge"]
-        assert hedge["won"] == "local" and "upload" in hedge, hedge
-        # a poll or two past the window, far sooner than the 0.6 s the late rule waits
+        assert hedge["won"] == "local" and set(hedge) & {"upload", "download"} == {where}, hedge
         assert STALL_WINDOW_S * 1e3 <= hedge["robot_started_after_ms"] < 450, hedge
-        upload = hedge["upload"]
-        assert 0 < upload["acked_bytes"] < upload["of_bytes"] and upload["rate_bps"] < 20e3, upload
+        moved = hedge[where]
+        done = moved["acked_bytes" if where == "upload" else "received_bytes"]
+        assert 0 < done < moved["of_bytes"] and moved["rate_bps"] < 20e3, moved
+        assert where == "upload" or moved["for_ms"] >= STALL_WINDOW_S * 1e3, moved
         torch.testing.assert_close(y, ref, rtol=0, atol=0)
-        assert hedge["upload_abandoned"] and link.abandoned == [link.request_ids[-1]]
-        assert len(link.cancelled) == cancelled
+        assert hedge["upload_abandoned" if where == "upload" else "answer_abandoned"], hedge
+        assert link.abandoned == [link.request_ids[-1]] and len(link.cancelled) == cancelled
         assert stats.processing_s < 1.5
     finally:
         client.close()
@@ -186,34 +173,6 @@ def test_an_upload_that_went_through_waits_for_the_late_rule(shared_server):
         assert hedge["robot_started_after_ms"] >= 550, hedge
         # it went through: the server's copy is cancelled, not abandoned
         assert "upload_abandoned" not in hedge and not link.abandoned and link.cancelled
-    finally:
-        client.close()
-
-
-def test_a_stalled_answer_starts_the_robot_before_the_call_is_late(shared_server):
-    """The upload went through, and the link fades under the answer: once the answer's
-    bytes arrive slower than the rest could come in the robot's time (against the size of
-    the last answer), the robot starts, a few polls after the first bytes, not at the
-    percentile of the round trips (0.6 s); the call is abandoned, not cancelled."""
-    client, link = _client(shared_server, link_s=0.6, link_type=_FadingAnswer)
-    try:
-        for k in range(MIN_SAMPLES + 4):
-            client.process(_frame(k))
-        frame = _frame(96)
-        with torch.inference_mode():
-            ref = client.model(client.preprocess(frame))
-        cancelled = len(link.cancelled)
-        link.late_s, link.late, link.fade_bps, link.fading = 3.0, 1, 8e3, 1   # 1 kB/s
-        y, stats = client.process(frame)
-        assert stats.executed_mode == "local" and not stats.fallback_reason, stats.extra
-        hedge = stats.extra["hedge"]
-        assert hedge["won"] == "local" and "download" in hedge and "upload" not in hedge, hedge
-        assert hedge["robot_started_after_ms"] < 450, hedge
-        answer = hedge["download"]
-        assert 0 < answer["received_bytes"] < answer["of_bytes"] and answer["for_ms"] >= STALL_WINDOW_S * 1e3, answer
-        torch.testing.assert_close(y, ref, rtol=0, atol=0)
-        assert hedge["answer_abandoned"] and link.abandoned == [link.request_ids[-1]]
-        assert len(link.cancelled) == cancelled
     finally:
         client.close()
 
