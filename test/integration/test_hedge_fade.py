@@ -37,6 +37,9 @@ from robot_offload.client import ClientConfig, OffloadClient
 from robot_offload.pool import MIN_SAMPLES
 from robot_offload.ros.transport import RosServiceTransport
 model, side = sys.argv[1], int(sys.argv[2])
+if len(sys.argv) > 3:           # the late rule pushed back: only a stall starts the robot early
+    import robot_offload.local_hedge
+    robot_offload.local_hedge.LOCAL_SHARE = float(sys.argv[3])
 torch.set_num_threads(1)        # a robot's forward several times the stall window
 rospy.init_node("hedge_fade", anonymous=True, disable_signals=True)
 transport = RosServiceTransport("/offload_server")
@@ -205,15 +208,16 @@ def test_a_fade_under_the_answer_is_answered_by_the_robot(tmp_path):
     """The upload goes through, then the answer (KAPAO-L's predictions) crawls: the robot
     reads the bytes arriving, starts once they come slower than the rest could in its own
     time, and its answer, equal to local's, is the frame's; the call is abandoned."""
-    # KAPAO-L's predictions: about 1 MB at 256 x 256
-    warm, got = _fade(tmp_path, ROBOT, "kapao_l", "kapao_l", "256", fast_bps=200e6, down_only=True)
+    # KAPAO-L's predictions: about 1 MB at 256 x 256. The answer is watched from its first
+    # bytes, after the server's forward, so the late rule is pushed back to five times the
+    # robot's forward (from twice): on a loaded machine it came first at twice.
+    warm, got = _fade(tmp_path, ROBOT, "kapao_l", "kapao_l", "256", "0.2", fast_bps=200e6, down_only=True)
     print("\n", warm, got)
     hedge = got["hedge"] or {}
     assert got["executed_mode"] == "local" and not got["fallback_reason"], got
     assert hedge.get("won") == "local" and "download" in hedge and "upload" not in hedge, got
     answer = hedge["download"]
     assert 0 < answer["received_bytes"] < answer["of_bytes"] and answer["rate_bps"] < 2e6, got
-    # the late rule would have waited twice the robot's forward at least
-    assert hedge["robot_started_after_ms"] / 1e3 < 2 * warm["local_s"], (warm, got)
+    assert hedge["robot_started_after_ms"] / 1e3 < min(5 * warm["local_s"], got["late_s"] or 1e9), (warm, got)
     assert got["same_as_local"] and hedge.get("answer_abandoned") is True, got
     assert got.get("next_mode") == "full_offload" and not got["next_fallback"] and got["next_s"] < 2.0, got
