@@ -97,3 +97,55 @@ def test_a_ros_request_that_fails_to_convert_closes_its_connection(monkeypatch):
         assert transport.held()["connections"] == 0
     finally:
         transport.close()
+
+
+def test_a_call_abandoned_as_its_answer_arrives_leaves_its_connection_out_of_the_pool(monkeypatch):
+    """The robot's hedge may abandon a call whose answer is arriving (it resets and closes
+    that connection) just as the call completes: the closed connection must not go back
+    to the pool, where the next call would write to it (rospy then fails inside
+    serialize_message); a call that completes first is no longer abandonable."""
+    import socket
+
+    from robot_offload.ros import transport as ros_transport
+
+    opened, closed = [], []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    _, srv_type, _, _ = ros_transport.SERVICES["compute"]
+
+    class Proxy:
+        abandon_on_call = None      # (transport, request_id) to abandon while answering
+
+        def __init__(self, name, srv, persistent=False):
+            opened.append(self)
+            self.transport = type("T", (), {})()
+            self.transport.socket = socket.create_connection(listener.getsockname())
+            self.peer, _ = listener.accept()
+
+        def call(self, request):
+            if Proxy.abandon_on_call is not None:
+                transport, request_id = Proxy.abandon_on_call
+                Proxy.abandon_on_call = None
+                assert transport.abandon(request_id)
+            return srv_type._response_class()
+
+        def close(self):
+            closed.append(self)
+            self.transport.socket.close()
+            self.peer.close()
+
+    monkeypatch.setattr(ros_transport.rospy, "ServiceProxy", Proxy)
+    transport = ros_transport.RosServiceTransport("/nowhere")
+    try:
+        request = ComputeRequest(client_id="t", model="m", entry="forward", tensors=[], request_id="ab" * 8)
+        Proxy.abandon_on_call = (transport, request.request_id)
+        transport.call("compute", request, 5.0)
+        assert set(closed) == set(opened) and transport.held()["connections"] == 0
+        transport.call("compute", request, 5.0)        # a new connection, not the closed one
+        assert len(opened) == 2 and set(closed) == {opened[0]} and transport.held()["connections"] == 1
+        assert not transport.abandon(request.request_id)  # completed: nothing to abandon
+        assert set(closed) == {opened[0]}
+    finally:
+        transport.close()
+        listener.close()

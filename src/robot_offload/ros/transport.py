@@ -83,7 +83,13 @@ class RosServiceTransport(Transport):
                 proxy.close()
                 raise
             with self._lock:
-                keep = len(self._free[method]) < self._max_workers()
+                # An abandoned call's proxy is closed (or being closed) by abandon(): never
+                # back to the pool, where the next call would write to it. Otherwise it stops
+                # being abandonable here, before another call can take it from the pool.
+                watched = upload is not None and self._uploads.get(upload[0]) is upload[1]
+                if watched:
+                    del self._uploads[upload[0]]
+                keep = (upload is None or watched) and len(self._free[method]) < self._max_workers()
                 if keep:
                     self._free[method].append(proxy)
             if not keep:
