@@ -343,24 +343,24 @@ class ServerPool:
     def upload_acked(self, request: ComputeRequest) -> Optional[int]:
         """:meth:`ServerLink.upload_acked` on whichever server's link carries ``request``
         (by its ``request_id``), or None."""
-        for m in self._snapshot():
-            acked = m.link.upload_acked(request)
-            if acked is not None:
-                return acked
-        return None
+        return self._on_its_link(lambda link: link.upload_acked(request))
 
     def download_received(self, request: ComputeRequest) -> Optional[int]:
         """:meth:`ServerLink.download_received` on whichever server's link carries
         ``request``, or None."""
-        for m in self._snapshot():
-            received = m.link.download_received(request)
-            if received is not None:
-                return received
-        return None
+        return self._on_its_link(lambda link: link.download_received(request))
 
     def abandon(self, request: ComputeRequest) -> bool:
         """:meth:`ServerLink.abandon` on whichever server's link carries ``request``."""
         return any(m.link.abandon(request) for m in self._snapshot())
+
+    def _on_its_link(self, read: Callable[[ServerLink], Optional[int]]) -> Optional[int]:
+        """``read(link)`` of the first server link that knows the request (not None)."""
+        for m in self._snapshot():
+            value = read(m.link)
+            if value is not None:
+                return value
+        return None
 
     def take_frame_report(self) -> Optional[dict]:
         """What the pool did for this thread's frame since the last call (servers used,

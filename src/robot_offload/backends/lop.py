@@ -185,14 +185,14 @@ def _lowest_priority_for_this_thread() -> None:
         pass
 
 
-def _answer_to_a(fut_a, a_done, deadline: float):
-    """Transfer A's answer (raising its error status) and when it arrived."""
+def _answer_to(fut, done, deadline: float, transfer: str = "A"):
+    """The answer to ``transfer`` (raising its error status) and when it arrived."""
     try:
-        resp_a = fut_a.result(timeout=max(0.0, deadline - time.perf_counter()))
+        resp = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
     except concurrent.futures.TimeoutError:     # not the built-in TimeoutError before Python 3.11
-        raise OffloadTimeout("lop: the answer to transfer A did not arrive before the deadline") from None
-    raise_for_status(resp_a.status, resp_a.status_text)
-    return resp_a, (a_done[0] if a_done else time.perf_counter())
+        raise OffloadTimeout(f"lop: the answer to transfer {transfer} did not arrive before the deadline") from None
+    raise_for_status(resp.status, resp.status_text)
+    return resp, (done[0] if done else time.perf_counter())
 
 
 @dataclass
@@ -522,13 +522,8 @@ class LopBackend(LayerPartitionBackend):
             if y is not None:
                 self._hedged(stats, plan, c1, c2, t0, t_a, t_stripe, [req_a, req_b])
                 return y
-            try:
-                resp_b = fut_b.result(timeout=max(0.0, deadline - time.perf_counter()))
-            except concurrent.futures.TimeoutError:
-                raise OffloadTimeout("lop: the answer to transfer B did not arrive before the deadline") from None
-            raise_for_status(resp_b.status, resp_b.status_text)
-            t_b_done = b_done[0] if b_done else time.perf_counter()
-        resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
+            resp_b, t_b_done = _answer_to(fut_b, b_done, deadline, "B")
+        resp_a, t_a_done = _answer_to(fut_a, a_done, deadline)
         t_tail = time.perf_counter()
         if plan.until:
             y = self._robot_tail(plan.until, resp_b, sg)
@@ -682,7 +677,7 @@ class LopBackend(LayerPartitionBackend):
         server's share of ``c2`` comes down."""
         sg = ls.spatial
         stats.add_compute(t_a, t_r)         # the robot's stripe (``t_r``: when it ended)
-        resp_a, t_a_done = _answer_to_a(fut_a, a_done, deadline)
+        resp_a, t_a_done = _answer_to(fut_a, a_done, deadline)
         theirs = {t.name: codec.decode(t) for t in resp_a.tensors}
         joined = []
         for name in c2.crossing:

@@ -119,20 +119,20 @@ class RosServiceTransport(Transport):
         return request_id, entry
 
     def upload_acked(self, request_id):
-        with self._lock:
-            entry = self._uploads.get(request_id)
-        if entry is None:
-            return None
-        now = bytes_acked(_socket_of(entry[0]))
-        return None if now is None else max(0, now - entry[1])
+        return self._counted_since(request_id, 1, bytes_acked)
 
     def download_received(self, request_id):
+        return self._counted_since(request_id, 2, bytes_received)
+
+    def _counted_since(self, request_id, i, count):
+        """A TCP counter (``count`` of the socket) of ``request_id``'s connection since
+        the call began (its baseline: ``i`` in the watch entry), or None."""
         with self._lock:
             entry = self._uploads.get(request_id)
-        if entry is None or entry[2] is None:
+        if entry is None or entry[i] is None:
             return None
-        now = bytes_received(_socket_of(entry[0]))
-        return None if now is None else max(0, now - entry[2])
+        now = count(_socket_of(entry[0]))
+        return None if now is None else max(0, now - entry[i])
 
     def abandon(self, request_id):
         with self._lock:
