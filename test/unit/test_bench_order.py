@@ -47,3 +47,37 @@ def test_one_mode_and_no_modes():
     assert balanced_orders(1) == [[0]]
     with pytest.raises(ValueError):
         balanced_orders(0)
+
+
+class _SimulatedDriver:
+    """The bench driver's frame loop over frames that take a fixed time (no ROS): what
+    :meth:`Driver.run_frames` decides is how many frames a cell runs."""
+
+    def __init__(self, frame_s, paired):
+        from types import SimpleNamespace
+        self.args = SimpleNamespace(paired_trace=paired, settle_s=0.05, frame_timeout_s=5.0)
+        self.frame_s, self.positions = frame_s, []
+
+    def switch(self, mode):
+        pass
+
+    def seek(self, position_s):
+        self.positions.append(position_s)
+
+    def one_frame(self, i, t_origin, timeout_s, mode):
+        return {"frame": i, "mode_asked": mode, "roundtrip_wall_s": self.frame_s[mode]}
+
+
+@pytest.mark.parametrize("max_frames, expected_rounds", [(250, 100), (60, 60)])
+def test_a_paired_cell_is_extended_until_its_frames_span_the_trace(max_frames, expected_rounds):
+    """Five interleaved modes whose slowest frame takes 0.2 s (plus 0.05 s of settle):
+    a 25 s span of the trace is 100 rounds, whatever the wall time the rounds took."""
+    import time
+    from robot_offload.ros.bench_driver import Driver
+    d = _SimulatedDriver({"local": 0.2, "full_offload": 0.05, "layer_partition": 0.06,
+                          "lop": 0.07, "auto": 0.05}, paired=True)
+    rows = Driver.run_frames(d, 30, True, time.monotonic(), modes=list(d.frame_s),
+                             min_span_s=25.0, max_frames=max_frames)
+    assert len(rows) == 5 * expected_rounds
+    assert max(r["frame"] for r in rows) == expected_rounds - 1
+    assert rows[-1]["trace_s"] < 25.0 <= rows[-1]["trace_s"] + 0.25 or expected_rounds == max_frames

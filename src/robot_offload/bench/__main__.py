@@ -69,7 +69,8 @@ def main(argv=None):
                          "neither slows the other's threads as separate machines would not")
     ap.add_argument("--min-span-s", type=float, default=0.0,
                     help="extend a cell past --frames until its frames span this many seconds "
-                         "(fast models get more frames, slow ones keep --frames)")
+                         "of the trace (with --interleave and several modes; else of wall time): fast models get "
+                         "more frames, slow ones keep --frames")
     ap.add_argument("--max-frames", type=int, default=64, help="the most frames --min-span-s may run")
     ap.add_argument("--settle-s", type=float, default=BenchConfig.settle_s,
                     help="robot idle before every frame (s; default %(default)g, two and a half "

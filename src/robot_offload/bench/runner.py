@@ -187,7 +187,8 @@ class BenchRunner:
                               "(camera.open_source; the same frames for every mode)")
             if cfg.min_span_s > 0:
                 self.notes.append(f"cells of at least {cfg.frames} frames, extended until their frames "
-                                  f"spanned {cfg.min_span_s:g} s (at most {cfg.max_frames} frames)")
+                                  f"spanned {cfg.min_span_s:g} s of "
+                                  f"{'the trace' if cfg.pairs_traces else 'wall time'} (at most {cfg.max_frames} frames)")
             if cfg.interleave and len(cfg.modes) > 1:
                 self.notes.append("modes interleaved: after every mode's warm-up, frame i ran in "
                                   f"each of {', '.join(cfg.modes)} back to back, then frame i + 1; "

@@ -122,17 +122,23 @@ class Driver:
         """Frames 0..n-1; with ``modes``, each frame once per mode, in the orders of
         :func:`~robot_offload.bench.order.balanced_orders` (the mode is switched before
         every frame when there is more than one). With ``min_span_s``, further frames (all
-        modes again) until that many seconds have passed since ``t_origin``, up to
-        ``max_frames``: a cell of a 30 ms model then holds enough frames for its median to
-        mean something, and a 1 s model's cell is not lengthened. ``--settle-s`` of idle
-        precedes every frame."""
+        modes again) until they span that many seconds, up to ``max_frames``: a cell of a
+        30 ms model then holds enough frames for its median to mean something, and a 1 s
+        model's cell is not lengthened. The span is of the bandwidth trace where it is
+        paired (the position the next frame would start at: a cell of five interleaved
+        modes spans a fifth of its wall time or less, and MobileNetV2's 30 frames had seen
+        4 s of the rate-step trace, none of its 5 Mbit/s steps), else of the wall time since
+        ``t_origin``. ``--settle-s`` of idle precedes every frame."""
         rows = []
         modes = list(modes or [None])
         orders = balanced_orders(len(modes))
         paired = record and self.args.paired_trace
         position_s = 0.0
         i = 0
-        while i < n or (time.monotonic() - t_origin < min_span_s and i < max(n, max_frames)):
+        def spanned_s():
+            return position_s if paired else time.monotonic() - t_origin
+
+        while i < n or (spanned_s() < min_span_s and i < max(n, max_frames)):
             round_s = 0.0
             for k in orders[i % len(orders)]:
                 mode = modes[k]
