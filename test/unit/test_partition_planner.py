@@ -858,3 +858,36 @@ def test_a_probe_faster_than_the_served_plan_is_timed_again_at_once():
         seen.append(m2.last["reason"])
         m2.observe(i, p, slow[p.key])
     assert "probe: confirming a faster measurement" not in seen, seen
+
+
+def test_a_candidate_faster_in_the_neighbouring_bucket_is_timed_again_here():
+    """A few stalled frames left a candidate's median slow in one bucket; it measures fast
+    in the neighbouring bucket since. The bucket probes it again (not only every ``every``
+    frames), the probe is confirmed, and it serves; a candidate that is truly slower here
+    is probed at most once every ``every // 2`` frames."""
+    fast, other = _Plan("lop", 0.030), _Plan("image", 0.055)
+
+    def run(here_truth_s):
+        m = MeasuredChoice(margin=0.25, every=20, window=3, min_samples=2)
+        for _ in range(3):                         # stalled frames of lop in bucket 15
+            m.observe(15, fast, 0.068)
+        for _ in range(3):
+            m.observe(15, other, 0.053)
+        for _ in range(3):                         # lop fast in bucket 14 since
+            m.observe(14, fast, 0.028)
+        ran = []
+        for _ in range(24):
+            p, probe = m.choose(15, fast, [other])       # lop is predicted faster
+            ran.append((p.key, probe, m.last["reason"]))
+            m.observe(15, p, here_truth_s if p is fast else 0.053)
+            m.observe(14, fast, 0.028)             # the estimate hops back and forth
+        return ran
+
+    ran = run(0.027)
+    first = next(i for i, (_k, _p, r) in enumerate(ran) if r == "probe: faster in a neighbouring bucket")
+    assert first <= 5 and ran[first + 1][2] == "probe: confirming a faster measurement", ran
+    assert [k for k, probe, _ in ran[first + 3:]] == ["lop"] * len(ran[first + 3:]), ran
+    slow = run(0.068)                              # lop is really slower here
+    hints = [i for i, (_k, _p, r) in enumerate(slow) if r == "probe: faster in a neighbouring bucket"]
+    assert hints and all(b - a >= 5 for a, b in zip(hints, hints[1:])), slow
+    assert sum(k == "image" for k, _p, _r in slow) >= 18, slow

@@ -46,7 +46,8 @@ class MeasuredChoice:
     prediction said, or less than the plan measures. Once a candidate has its samples in
     a bucket, its median there, not its prediction, keeps it a candidate; the plan a
     neighbouring bucket serves as its fastest is timed in a bucket that has not run it
-    (:meth:`nearby_best`). Measurements are kept per plan key
+    (:meth:`nearby_best`), and a candidate that measures slower here than in a neighbouring
+    bucket, more recently timed there, is probed again (:meth:`contradicted`). Measurements are kept per plan key
     (cut and encoding), so they survive re-plans that keep the plan, and a plan whose ``link_free`` is true
     (all local) is measured once for every bucket: its latency does not depend on the link,
     and a noisy bandwidth estimate that hops between buckets would otherwise make each new
@@ -84,6 +85,10 @@ class MeasuredChoice:
         #: bucket -> (key, probes left): a plan whose probe measured faster than the
         #: bucket's fastest, timed again until its window is all fresh samples
         self._confirm: Dict[object, Tuple[object, int]] = {}
+        #: observations so far, and (bucket, plan key) -> the count at its last one (see
+        #: :meth:`contradicted`)
+        self._observed = 0
+        self._last_at: Dict[Tuple[object, object], int] = {}
         self.probes = 0
         #: why the last :meth:`choose` picked what it did, for the frame's stats: ``reason``
         #: (planned, lead, fewer samples, periodic probe, fastest measured) and the
@@ -209,6 +214,38 @@ class MeasuredChoice:
         ap, pp = self.corrected_s(alternative), self.corrected_s(plan)
         return ap is not None and pp is not None and ap > pp * (1 + self.known_margin)
 
+    def contradicted(self, bucket, best, cands: Dict[object, object]):
+        """A candidate of ``bucket`` whose median there is slower than ``best``'s, while in a
+        neighbouring bucket it measured more than ``margin`` faster than ``best`` measures
+        here, later than its last frame here; or None. At most one such probe every
+        ``max(window, every // 2)`` frames per candidate and bucket.
+
+        The bandwidth estimate hovers at a bucket's edge, and each bucket keeps its own
+        samples: a few frames slowed by something else (the robot's CPU stalled for a
+        moment: local took 60-130 ms against 28) left a candidate's median in one bucket at
+        68 ms, and that bucket served the image offload at 53 ms for 40 of its frames,
+        while the same candidate measured 28 ms in the next bucket, one bandwidth step
+        away (MobileNetV2 at 20 Mbit/s on the testbed). A periodic probe every ``every``
+        frames corrects it only when it lands on a quiet frame."""
+        if not isinstance(bucket, int):
+            return None
+        best_s = self.median_s(bucket, best)
+        gap = max(self.window, self.every // 2)
+        for key, c in cands.items():
+            here_s = self.median_s(bucket, c)
+            if key == best.key or here_s is None or best_s is None or here_s <= best_s:
+                continue
+            here_at = self._last_at.get(self._mkey(bucket, c), -1)
+            if self._observed - here_at < gap:
+                continue
+            for b in (bucket - 1, bucket + 1):
+                there_s = self.median_s(b, c)
+                if (there_s is not None and self._count(b, c) >= self.min_samples
+                        and there_s * (1 + self.margin) < best_s
+                        and self._last_at.get(self._mkey(b, c), -1) > here_at):
+                    return c
+        return None
+
     @staticmethod
     def _mkey(bucket, plan) -> Tuple[object, object]:
         return (None if getattr(plan, "link_free", False) else bucket, plan.key)
@@ -281,6 +318,12 @@ class MeasuredChoice:
             self.probes += 1
             self.last["reason"] = "probe: confirming a faster measurement"
             return cands[key], True
+        hint = None if under else self.contradicted(bucket, best, cands)
+        if hint is not None:
+            self._since[bucket] = 0
+            self.probes += 1
+            self.last["reason"] = "probe: faster in a neighbouring bucket"
+            return hint, True
         if under or self._since.get(bucket, 0) >= self.every:
             self._since[bucket] = 0
             self.probes += 1
@@ -331,6 +374,8 @@ class MeasuredChoice:
             self._drop_contended()
         self._latency.setdefault(self._mkey(bucket, plan), deque(maxlen=self.window)).append(
             (latency_s, contended))
+        self._observed += 1
+        self._last_at[self._mkey(bucket, plan)] = self._observed
         best = self._best.get(bucket)
         if best is not None and plan.key != best and latency_s < self._best_s[bucket]:
             # Faster than the bucket's fastest: its older samples (a probe every
