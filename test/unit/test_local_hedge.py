@@ -123,16 +123,17 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
         client.close()
 
 
-@pytest.mark.parametrize("where", ["upload", "download"])
-def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_server, where):
+@pytest.mark.parametrize("where, budget", [("upload", 0.5), ("download", 0.5), ("upload", 0.0)])
+def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_server, where, budget):
     """The link fades under a frame's upload, or, once that went through, under its
     answer: the robot starts once the transfer's rate says the rest would take longer
     than the robot's whole frame (a poll or two past the window, counted from the
     answer's first bytes), not at the percentile of the round trips (0.6 s here); its
     answer is the local one, the call is abandoned (no cancel needed: the server never had
     the request whole, or its answer is dropped), and the frame's details say how far the
-    transfer had got."""
-    client, link = _client(shared_server, link_s=0.6,
+    transfer had got. The budget bounds the late rule only: with none, a stall still
+    starts the robot."""
+    client, link = _client(shared_server, link_s=0.6, hedge_budget=budget,
                            link_type=_FadingUpload if where == "upload" else _FadingAnswer)
     try:
         for k in range(MIN_SAMPLES + 4):
