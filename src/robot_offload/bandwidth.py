@@ -88,8 +88,9 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
     robot started because the upload had stalled: then the bytes the server's host had
     acknowledged by then, over that time, are the sample (``hedge.upload`` in the
     details, see :mod:`robot_offload.local_hedge`; counted by TCP acknowledgements, it
-    shows a rate under ``min_bytes`` too); or because the answer had stalled: the bytes
-    of it received, over the time since its first (``hedge.download``).
+    shows a rate under ``min_bytes`` too), as they are where the call was late while its
+    upload was still under way (``hedge.upload_under_way``); or because the answer had
+    stalled: the bytes of it received, over the time since its first (``hedge.download``).
 
     A frame that ran beside background work on the robot (planning; ``background`` in its
     details, see :mod:`robot_offload.background`) gives a ``floor_only`` sample: its call
@@ -102,8 +103,9 @@ def frame_transfer(stats, end_s: float) -> Optional[TransferSample]:
         hedge = _details(stats).get("hedge")
         hedge = hedge if isinstance(hedge, dict) else {}
         try:
-            if "upload" in hedge:
-                acked, after_s = int(hedge["upload"]["acked_bytes"]), float(hedge["upload"]["after_ms"]) / 1e3
+            upload = hedge.get("upload", hedge.get("upload_under_way"))
+            if upload is not None:
+                acked, after_s = int(upload["acked_bytes"]), float(upload["after_ms"]) / 1e3
             else:
                 acked, after_s = int(hedge["download"]["received_bytes"]), float(hedge["download"]["for_ms"]) / 1e3
         except (TypeError, KeyError, ValueError):

@@ -237,6 +237,9 @@ def test_a_hedge_started_by_a_stalled_upload_measures_the_upload_so_far():
     assert bw.frame_transfer(s, 5.0) == bw.TransferSample(t_s=5.0, bytes=30_000, duration_s=0.3, acked=True)
     s.extra["hedge"] = {"won": "local", "download": dict(answer, for_ms=None)}
     assert bw.frame_transfer(s, 5.0) is None
+    # the late rule started the robot while the upload was still under way: its bytes so far
+    s.extra["hedge"] = {"won": "local", "upload_under_way": dict(upload, acked_bytes=50_000, after_ms=80.0)}
+    assert bw.frame_transfer(s, 6.0) == bw.TransferSample(t_s=6.0, bytes=50_000, duration_s=0.08, acked=True)
 
 
 def test_a_frame_beside_background_work_gives_only_a_floor_of_the_rate():

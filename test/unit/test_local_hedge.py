@@ -160,6 +160,30 @@ def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_serv
         client.close()
 
 
+def test_a_late_call_whose_upload_is_under_way_is_a_bandwidth_sample(shared_server, monkeypatch):
+    """The late rule starts the robot before the upload's rate could be judged (the stall
+    rule is kept out of the way here): how far the upload had got is in the frame's details
+    all the same, and the bandwidth monitor takes it as a rate of the link."""
+    import robot_offload.local_hedge as local_hedge
+    from robot_offload import bandwidth
+    monkeypatch.setattr(local_hedge, "STALL_WINDOW_S", 60.0)
+    client, link = _client(shared_server, link_s=0.15, link_type=_FadingUpload)
+    try:
+        for k in range(MIN_SAMPLES + 4):
+            client.process(_frame(k))
+        link.late_s, link.late, link.fade_bps, link.fading = 3.0, 1, 80e3, 1   # 10 kB/s
+        _, stats = client.process(_frame(96))
+        hedge = stats.extra["hedge"]
+        assert hedge["won"] == "local" and "upload" not in hedge, hedge
+        moved = hedge["upload_under_way"]
+        assert 0 < moved["acked_bytes"] < moved["of_bytes"], moved
+        sample = bandwidth.frame_transfer(stats, 1.0)
+        assert sample is not None and sample.acked and sample.bytes == moved["acked_bytes"]
+        assert 20e3 < sample.bytes * 8 / sample.duration_s < 200e3, sample
+    finally:
+        client.close()
+
+
 def test_an_upload_that_went_through_waits_for_the_late_rule(shared_server):
     """The same late frame whose upload the server's host acknowledged at once: what is
     slow is the server, so the robot starts at the percentile, as without upload readings."""
