@@ -123,8 +123,9 @@ def test_a_late_call_is_answered_by_the_robot_and_cancelled_on_the_server(shared
         client.close()
 
 
-@pytest.mark.parametrize("where, budget", [("upload", 0.5), ("download", 0.5), ("upload", 0.0)])
-def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_server, where, budget):
+@pytest.mark.parametrize("where, budget, warm", [("upload", 0.5, True), ("download", 0.5, True),
+                                                 ("upload", 0.0, True), ("upload", 0.5, False)])
+def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_server, where, budget, warm):
     """The link fades under a frame's upload, or, once that went through, under its
     answer: the robot starts once the transfer's rate says the rest would take longer
     than the robot's whole frame (a poll or two past the window, counted from the
@@ -132,11 +133,11 @@ def test_a_stalled_transfer_starts_the_robot_before_the_call_is_late(shared_serv
     answer is the local one, the call is abandoned (no cancel needed: the server never had
     the request whole, or its answer is dropped), and the frame's details say how far the
     transfer had got. The budget bounds the late rule only: with none, a stall still
-    starts the robot."""
+    starts the robot; and so it does on the first call, before any round trip is known."""
     client, link = _client(shared_server, link_s=0.6, hedge_budget=budget,
                            link_type=_FadingUpload if where == "upload" else _FadingAnswer)
     try:
-        for k in range(MIN_SAMPLES + 4):
+        for k in range(MIN_SAMPLES + 4 if warm else 0):
             client.process(_frame(k))
         frame = _frame(98)
         with torch.inference_mode():
