@@ -153,8 +153,11 @@ class _Recording(InProcessTransport):
         self.computing_in_calls = []
 
     def _call(self, method, request, timeout_s):
+        # read as the answer is ready, while the frame waits for it (a call the robot may
+        # hedge is submitted, and its worker can start before the frame begins to wait)
+        response = super()._call(method, request, timeout_s)
         self.computing_in_calls.append(background.GATE.computing)
-        return super()._call(method, request, timeout_s)
+        return response
 
 
 def test_the_client_computes_its_frames_in_the_foreground(shared_server):
