@@ -203,8 +203,9 @@ class LocalHedge:
             for name, watch in (("upload", upload), ("download", download)):
                 if watch is not None and watch.stalled_at is not None:
                     detail[name] = watch.stalled_at
-            if "upload" not in detail and "download" not in detail and upload.under_way():
-                detail["upload_under_way"] = upload.under_way()
+            under_way = None if "upload" in detail or "download" in detail else upload.under_way()
+            if under_way is not None:
+                detail["upload_under_way"] = under_way
             if outputs is not None:
                 self.count(True, "local")
                 if local_s is None:

@@ -227,13 +227,13 @@ class MeasuredChoice:
         while the same candidate measured 28 ms in the next bucket, one bandwidth step
         away (MobileNetV2 at 20 Mbit/s on the testbed). A periodic probe every ``every``
         frames corrects it only when it lands on a quiet frame."""
-        if not isinstance(bucket, int):
+        best_s = self.median_s(bucket, best) if isinstance(bucket, int) else None
+        if best_s is None:
             return None
-        best_s = self.median_s(bucket, best)
         gap = max(self.window, self.every // 2)
         for key, c in cands.items():
             here_s = self.median_s(bucket, c)
-            if key == best.key or here_s is None or best_s is None or here_s <= best_s:
+            if key == best.key or here_s is None or here_s <= best_s:
                 continue
             here_at = self._last_at.get(self._mkey(bucket, c), -1)
             if self._observed - here_at < gap:

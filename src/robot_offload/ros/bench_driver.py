@@ -135,6 +135,7 @@ class Driver:
         paired = record and self.args.paired_trace
         position_s = 0.0
         i = 0
+
         def spanned_s():
             return position_s if paired else time.monotonic() - t_origin
 
