@@ -271,7 +271,13 @@ def test_the_robot_hedges_only_where_it_can_win():
     hedge.observe_round_trip("f", 0.1)
     assert hedge.delay_s("f", 1.0) == 0.1
     assert hedge.delay_s("f", 0.12) is None         # no time left for the robot
-    assert hedge.delay_s("other call", 1.0) is None  # its own round trips: none yet
+    assert hedge.delay_s("other call", 1.0) == 0.1   # none of its own yet: all kinds' round trips
+    for _ in range(MIN_SAMPLES - 1):
+        hedge.observe_round_trip("other call", 0.3)
+    assert hedge.delay_s("other call", 1.0) == 0.3   # all kinds' 95th percentile, its 7 among them
+    hedge.observe_round_trip("other call", 0.3)
+    assert hedge.delay_s("f", 1.0) == 0.1 and hedge.delay_s("other call", 1.0) == 0.3   # each its own
+    assert hedge.delay_s("new call", 0.32) is None   # the percentile of all (0.3) leaves no time
     assert hedge.delay_s("f", 1.0, local_s=0.02) == 0.1
     assert hedge.delay_s("f", 1.0, local_s=0.07) == pytest.approx(0.14)
     slow = LocalHedge(percentile=95.0, budget=0.5)
@@ -413,9 +419,11 @@ def test_no_hedge_when_hedging_is_off(shared_server):
         client.close()
 
 
-def test_a_late_partition_tail_is_finished_on_the_robot(shared_server, tmp_path):
+@pytest.mark.parametrize("new_cut", [False, True], ids=["same_cut", "new_cut"])
+def test_a_late_partition_tail_is_finished_on_the_robot(shared_server, tmp_path, new_cut):
     """``layer_partition`` at a middle cut: when the tail's call is late, the robot runs the
-    tail on its own head tensors, and the outputs are local's."""
+    tail on its own head tensors, and the outputs are local's. Also at a cut whose first
+    call that is (the plan moved): late by the round trips of the client's other cuts."""
     from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
     from robot_offload.partition.planner import plan_for
     from robot_offload.stats import FrameStats
@@ -434,6 +442,8 @@ def test_a_late_partition_tail_is_finished_on_the_robot(shared_server, tmp_path)
         plan = plans[len(plans) // 2]
         for _ in range(MIN_SAMPLES + 4):        # its round trips (~0.3 s)
             y = backend.run_plan(x, plan, FrameStats(), 10.0)
+        if new_cut:
+            plan = plans[len(plans) // 2 + 1]
         link.late_s, link.late = 3.0, 1
         stats = FrameStats()
         t0 = time.perf_counter()
