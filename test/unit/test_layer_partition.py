@@ -370,7 +370,15 @@ def test_saved_server_times_start_the_server_load_factor(shared_server, tmp_path
         client.close()
 
 
-def test_drift_from_the_profile_replans(shared_server, profile_dir):
+def test_drift_from_the_profile_replans(shared_server, profile_dir, monkeypatch):
+    """Drift re-plans: the frame takes the new load factors, and the plan table for them
+    is built beside the frames (here slowed to 1 s: no frame waits for it), then swapped in."""
+    from robot_offload.backends import layer_partition as lp
+
+    class _SlowTable(lp.PlanTable):
+        def __init__(self, *a, **kw):
+            time.sleep(1.0)
+            super().__init__(*a, **kw)
     client = _client(shared_server, "resnet18", profile_dir, size=(32, 32), partition_codecs=("raw",),
                      replan_threshold=0.5)
     try:
@@ -385,9 +393,18 @@ def test_drift_from_the_profile_replans(shared_server, profile_dir):
             c.head_s *= scale
         st.tracker.reference_s["robot"] = 0.0011    # what a drift sample weighs against
         local = plan_for(st.profile, "output", "raw/none", 10e6, st.cfg)
+        table = st.table
+        monkeypatch.setattr(lp, "PlanTable", _SlowTable)
         for _ in range(4):
+            t0 = time.perf_counter()
             backend.run_plan(x, local, FrameStats(), 120)
-        assert backend.replans >= 1 and st.cfg.robot_load > 1.5
+            assert time.perf_counter() - t0 < 0.9
+        assert st.cfg.robot_load > 1.5 and st.replanning and st.table is table   # the table: not yet
+        for _ in range(600):
+            if not st.replanning:
+                break
+            time.sleep(0.05)
+        assert backend.replans >= 1 and st.table is not table
         assert st.table.cfg.robot_load == st.cfg.robot_load
         # A server call records its measured tail time in the profile.
         plan = plan_for(st.profile, "input", "raw/none", 10e6, st.cfg)

@@ -323,7 +323,8 @@ class LopBackend(LayerPartitionBackend):
             stats.extra["lop"]["timed"] = not profiled_now
             return y
         chosen, probe = plan, False
-        j = st.table.index(bw)
+        table = self.table_of(st)
+        j = table.index(bw)
         if st.measured is not None:
             if ls.judged is not ls.table:
                 # a new table predicts the spatial schedules anew; done here, on the
@@ -349,7 +350,7 @@ class LopBackend(LayerPartitionBackend):
             # MobileNetV2 at 100 Mbit/s served a spatial schedule whose median of three
             # dipped under the input cut's, and the cell ended 1.07x layer_partition.
             chosen, probe = st.measured.choose(
-                j, plan, [st.table.plans[j]] + st.table.alternatives[j],
+                j, plan, [table.plans[j]] + table.alternatives[j],
                 handicap={plan.key: 1.0 + self.ctx.config.lop_spatial_margin})
         # The first run of a schedule sets up kernels for its slab shapes (and the first
         # spatial frame has the server record the graph): not what it costs after, so it

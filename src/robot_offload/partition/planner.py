@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from robot_offload import codec
+from robot_offload import background, codec
 from robot_offload.errors import ConfigError
 from robot_offload.partition.cost import Prediction, output_bytes, predict_cut
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
@@ -262,6 +262,7 @@ class PlanTable:
         #: plan at another cut, all local, and the best full offload (the input cut)
         self.alternatives: List[List[Plan]] = []
         for b in self.buckets:
+            background.checkpoint()     # a re-plan's build yields to the frames here
             ranked = _ranked(profile, b, cfg, choices)    # one prediction per choice
             p = _first(ranked, b)
             alts = {}
