@@ -164,7 +164,8 @@ class OffloadClient:
         hedge = LocalHedge(config.hedge_percentile, config.hedge_budget) if config.hedge and self.link is not None else None
         one_server = isinstance(self.link, ServerLink) and not isinstance(self.link, ServerPool)
         self._ctx = backends.BackendContext(self.spec, self.model, self.link, config,
-                                            local_hedge=hedge if one_server else None, home_hedge=hedge)
+                                            local_hedge=hedge if one_server else None, home_hedge=hedge,
+                                            energy_j=lambda stats, t0, t1: self._energy(stats, t0, t1)[0])
         self._backends = {}
         self._lock = threading.Lock()
         self.fallbacks = 0
@@ -302,16 +303,18 @@ class OffloadClient:
         return outputs, stats
 
     def _account_energy(self, stats: FrameStats, t0: float, t1: float) -> None:
-        """Measured energy when a power sensor's samples cover the frame, else modelled."""
+        stats.energy_j, stats.energy_modelled = self._energy(stats, t0, t1)
+
+    def _energy(self, stats: FrameStats, t0: float, t1: float) -> Tuple[float, bool]:
+        """The robot's joules from ``t0`` to ``t1`` of the frame of ``stats``, and whether
+        they are modelled: measured when a power sensor's samples cover the span, else
+        modelled from the frame's intervals."""
         w0, w1 = t0 + self.wall_offset_s, t1 + self.wall_offset_s
         first, _ = self.measured_power.span_s
         if first is not None and first <= w0:
-            stats.energy_j = self.measured_power.energy_between(w0, w1, hold_last=True)
-            stats.energy_modelled = False
-        else:
-            c = self.config
-            stats.energy_j = modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w)
-            stats.energy_modelled = True
+            return self.measured_power.energy_between(w0, w1, hold_last=True), False
+        c = self.config
+        return modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w), True
 
     def close(self) -> None:
         for b in self._backends.values():

@@ -2,6 +2,9 @@
 every registry model, whichever candidate the predicted bandwidth makes it pick -- and a
 switch to it, or a server lost under it, loses no frame."""
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -87,7 +90,8 @@ def test_the_energy_objective_runs_the_lowest_predicted_energy(shared_server, tm
     sides), and what it measured becomes the profile's server time for the next frames.
     Which frame first runs it depends on the load the solver measures, not on this test."""
     # its own profile directory: no server time saved by another test's run
-    client = _client(shared_server, "resnet18", str(tmp_path), objective="energy", server_speedup=100.0)
+    client = _client(shared_server, "resnet18", str(tmp_path), objective="energy", server_speedup=100.0,
+                     probe_every=0)      # no measured choice: the prediction decides
     try:
         runs = []
         # the first frame (it profiles) at 1 kbit/s: lop runs it on the robot, so no server
@@ -118,6 +122,55 @@ def test_the_energy_objective_runs_the_lowest_predicted_energy(shared_server, tm
         # solver measures the server slower than predicted and a later frame does
         assert "full_offload_image" in runs, runs
         assert runs[1] == "lop", runs     # 1 kbit/s
+    finally:
+        client.close()
+
+
+class _SlowImages(InProcessTransport):
+    """Every camera image's offload waits ``wait_s`` more on the link (the server's
+    compute is not slowed, so its measured time keeps the image's prediction cheap)."""
+
+    def __init__(self, server, wait_s):
+        super().__init__(server)
+        self.wait_s = wait_s
+
+    def _call(self, method, request, timeout_s):
+        if method == "compute" and request.entry == "forward_image":
+            time.sleep(self.wait_s)
+        return super()._call(method, request, timeout_s)
+
+
+def test_the_energy_objective_serves_what_measured_the_fewest_joules(shared_server, tmp_path, monkeypatch):
+    """With the energy objective the choice between candidates is measured too, in the
+    frames' joules: the camera image's offload, predicted cheapest (1 mJ: a cost model
+    that errs, as it does on a link it cannot see) but waiting 0.4 s on the link every
+    time (1.6 J of an idle robot), is timed, and then a candidate that measured fewer
+    joules serves. On the prediction alone the image would serve every frame."""
+    client = _client(shared_server, "resnet18", str(tmp_path), objective="energy",
+                     transport=_SlowImages(shared_server, 0.4), hedge=False)
+    auto = client._get_backend("auto")
+    image_option = auto._image_option
+    monkeypatch.setattr(auto, "_image_option", lambda *a: dataclasses.replace(image_option(*a), energy_j=1e-3))
+    try:
+        client.predicted_bandwidth_bps = 1e3
+        client.process(_frame(client.spec, client.input_size, seed=0))     # profiles, on the robot
+        client.predicted_bandwidth_bps = 20e6
+        ran = []
+        for k in range(1, 13):
+            frame = _frame(client.spec, client.input_size, seed=k)
+            y, stats = client.process(frame)
+            a = stats.extra["auto"]
+            ran.append((a["candidate"], a["reason"], round(stats.energy_j, 2)))
+            assert "medians_mj" in a and "medians_ms" not in a, a
+            with torch.inference_mode():
+                ref = client.model(client.preprocess(frame))
+            assert_same_up_to_summation_order(y, ref, stats.plan)
+        image = [e for c, _, e in ran if c == IMAGE]
+        assert image and min(image) >= 4.04 * 0.4, ran       # the image was timed, and cost its wait
+        served = [c for c, reason, _ in ran[-4:] if not reason.startswith("probe")]
+        assert served and set(served) == {LOP}, ran          # the cheaper one serves since
+        lop = [e for c, _, e in ran if c == LOP]
+        assert max(lop[-3:]) < min(image), ran
     finally:
         client.close()
 

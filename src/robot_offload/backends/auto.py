@@ -15,11 +15,14 @@ Both are predicted with the one cost model (:mod:`robot_offload.partition.cost`:
 the image's bytes up, the outputs' bytes down, the server time its frames measured), each
 kind of prediction corrected by its own measured error (:class:`PredictionErrors`). The
 frame's bucket is layer partitioning's bandwidth bucket; within a bucket the choice is
-:class:`~robot_offload.partition.choice.MeasuredChoice`'s (latency objective): the
-candidates predicted close to each other are timed on real frames and the fastest median
-serves, with periodic probes -- hysteresis that does not thrash on one noisy frame and
-follows a step change of the bandwidth as soon as the estimate crosses into another bucket.
-With the energy objective (or probing off) the lower prediction serves.
+:class:`~robot_offload.partition.choice.MeasuredChoice`'s: the candidates predicted close
+to each other are timed on real frames and the fastest median serves, with periodic
+probes -- hysteresis that does not thrash on one noisy frame and follows a step change of
+the bandwidth as soon as the estimate crosses into another bucket. With the energy
+objective the choice is the same on each frame's joules (the client's: a power sensor's
+where it has one, else the state model's over what the frame did) against the predicted
+joules: the cost model's energy errs as its latency does, and only a frame's measurement
+corrects it. With probing off the lower prediction serves.
 
 A candidate that fails (server down, deadline) raises like any backend: the client
 computes the frame locally, so a switch never loses a frame. The frame's stats say what
@@ -131,7 +134,7 @@ class AutoBackend(Backend):
         self.lop = LopBackend(ctx)
         self.full = FullOffloadBackend(ctx)
         self.local = LocalBackend(ctx)
-        self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config)
+        self.choice: Optional[MeasuredChoice] = MeasuredChoice.from_client_config(ctx.config, measures_energy=True)
         self.errors = PredictionErrors()
         # bytes sent / image bytes of the last image offload (compression); None: none yet
         self._up_ratio: Optional[float] = None
@@ -165,7 +168,8 @@ class AutoBackend(Backend):
                          "corrected_latency_ms": round(o.latency_s * 1e3, 2),
                          "energy_mj": round(o.energy_j * 1e3, 2), "of": o.kind}
                      for k, o in options.items()}
-        ranked = sorted(options.values(), key=lambda o: getattr(o, objective))
+        # what the measured choice compares: the options' predicted cost by the objective
+        ranked = sorted((self._judged(o) for o in options.values()), key=lambda o: o.latency_s)
         if self.choice is None:
             chosen, reason = ranked[0], f"lowest predicted {objective[:-2]}"
         else:
@@ -173,6 +177,7 @@ class AutoBackend(Backend):
             if chosen is None:
                 chosen, _probe = self.choice.choose(i, ranked[0], ranked[1:])
                 reason = str(self.choice.last.get("reason", ""))
+        chosen = options[chosen.key]
         t0 = time.perf_counter()
         if chosen.key == IMAGE:
             y = self.full.infer_frame(frame, stats, timeout_s)
@@ -197,10 +202,14 @@ class AutoBackend(Backend):
             if ran is not None:
                 self.errors.observe(ran.kind, ran.raw_latency_s, measured_s, contended)
             if self.choice is not None:
-                self.choice.observe(i, chosen, measured_s, contended)
+                cost = (self.ctx.frame_energy_j(stats, t0, t0 + measured_s) if objective == "energy_j"
+                        else measured_s)
+                self.choice.observe(i, self._judged(chosen), cost, contended)
         detail = {"predicted": predicted, "bucket": i, "bandwidth_bps": bw}
         if self.choice is not None:
-            detail["medians_ms"] = self.choice.last.get("medians_ms", {})
+            # the choice's medians: of the frames' joules with the energy objective
+            unit = "medians_mj" if objective == "energy_j" else "medians_ms"
+            detail[unit] = self.choice.last.get("medians_ms", {})
         self._mark(stats, chosen.key, reason, detail)
         return y
 
@@ -303,6 +312,12 @@ class AutoBackend(Backend):
                 options[LOP_SPATIAL] = _Option(LOP, lp.latency_s, lp.energy_j, kind=LOP_SPATIAL,
                                                raw_latency_s=lp.latency_s)
         return {k: self.errors.correct(o) for k, o in options.items()}
+
+    def _judged(self, option: _Option) -> _Option:
+        """``option`` as the measured choice sees it: its ``latency_s`` is its predicted
+        cost by the objective (with the energy objective, its joules, and the choice
+        observes each frame's joules)."""
+        return replace(option, latency_s=option.energy_j) if self._objective() == "energy_j" else option
 
     @staticmethod
     def _best(options, objective: str) -> _Option:

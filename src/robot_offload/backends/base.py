@@ -4,10 +4,11 @@ import abc
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Type
+from typing import Callable, Dict, Optional, Tuple, Type
 
 import torch
 
+from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import ConfigError
 from robot_offload.link import ServerLink
 from robot_offload.local_hedge import LocalHedge
@@ -36,6 +37,8 @@ class BackendContext:
     #: the robot's hedge of calls bound to the home server (``lop``'s pairs): with one
     #: server ``local_hedge`` itself; with several, where the pool hedges every other call
     home_hedge: Optional[LocalHedge] = None
+    #: the client's joules over ``(stats, t0, t1)`` of a frame (see :meth:`frame_energy_j`)
+    energy_j: Optional[Callable[[FrameStats, float, float], float]] = None
     # the last frame preprocessed: (frame, its FrameStats, the model input)
     _last: Optional[tuple] = field(default=None, repr=False, compare=False)
     _last_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -44,6 +47,15 @@ class BackendContext:
     def input_size(self) -> Tuple[int, ...]:
         """The model input size: the client's ``input_size``, else the registry's."""
         return tuple(self.config.input_size) or self.spec.input_size
+
+    def frame_energy_j(self, stats: FrameStats, t0: float, t1: float) -> float:
+        """The robot's joules from ``t0`` to ``t1`` (:func:`time.perf_counter`) of the frame
+        of ``stats``: the client's (a power sensor's where its samples cover the span),
+        else the state model's over the frame's intervals."""
+        if self.energy_j is not None:
+            return self.energy_j(stats, t0, t1)
+        c = self.config
+        return modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w)
 
     def preprocess(self, frame, stats: FrameStats) -> torch.Tensor:
         """The model input for one raw frame, computed on the robot and accounted in
