@@ -59,6 +59,25 @@ def test_background_work_pauses_while_a_frame_computes_and_keeps_its_share():
 
 
 @pytest.mark.robot_side
+def test_background_work_started_by_a_frame_begins_after_it():
+    """Its first slice would otherwise fall on the frame that started it (a re-plan
+    started by the frame that saw the drift)."""
+    gate = ForegroundGate()
+    began = []
+    with gate.frame():
+        thread = background.start(lambda: began.append(time.perf_counter()), "test-start", 0.01, gate=gate)
+        time.sleep(0.3)              # under its longest wait (0.5 s at a 1 % share)
+        assert not began
+        ended = time.perf_counter()
+    thread.join(10)
+    assert began and began[0] >= ended
+    with gate.frame():             # and never past its share: a frame that never ends
+        thread = background.start(lambda: began.append(time.perf_counter()), "test-start", 0.5, gate=gate)
+        thread.join(10)
+        assert len(began) == 2
+
+
+@pytest.mark.robot_side
 def test_a_frame_waiting_for_the_network_lets_background_work_run():
     gate = ForegroundGate()
     worker = _Worker(gate, share=0.1)

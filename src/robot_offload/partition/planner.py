@@ -206,6 +206,7 @@ def _ranked(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
     down = output_bytes(profile, cfg.output_codec)
     scored = []
     for c, e, err in choices:
+        background.checkpoint()         # hundreds of these make a re-plan's bucket
         p = predict_cut(profile, c, e, bandwidth_bps, cfg, down)
         obj = p.latency_s if cfg.objective == "latency" else p.energy_j
         scored.append((obj, p.bytes_up, err, (c, e, err, p)))
@@ -262,7 +263,6 @@ class PlanTable:
         #: plan at another cut, all local, and the best full offload (the input cut)
         self.alternatives: List[List[Plan]] = []
         for b in self.buckets:
-            background.checkpoint()     # a re-plan's build yields to the frames here
             ranked = _ranked(profile, b, cfg, choices)    # one prediction per choice
             p = _first(ranked, b)
             alts = {}
