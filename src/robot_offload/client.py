@@ -14,7 +14,6 @@ import torch
 
 from robot_offload import backends, background, checks, frame_codec
 from robot_offload.codec import CODECS, COMPRESSIONS
-from robot_offload.energy import modelled_energy_j
 from robot_offload.errors import CodecError, ConfigError, Incompatible, OffloadTimeout, RemoteError, TransportError
 from robot_offload.link import ServerLink
 from robot_offload.local_hedge import LocalHedge
@@ -313,8 +312,7 @@ class OffloadClient:
         first, _ = self.measured_power.span_s
         if first is not None and first <= w0:
             return self.measured_power.energy_between(w0, w1, hold_last=True), False
-        c = self.config
-        return modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w), True
+        return self._ctx.modelled_energy_j(stats, t0, t1), True
 
     def close(self) -> None:
         for b in self._backends.values():

@@ -54,6 +54,11 @@ class BackendContext:
         else the state model's over the frame's intervals."""
         if self.energy_j is not None:
             return self.energy_j(stats, t0, t1)
+        return self.modelled_energy_j(stats, t0, t1)
+
+    def modelled_energy_j(self, stats: FrameStats, t0: float, t1: float) -> float:
+        """The state model's joules from ``t0`` to ``t1`` over the intervals of ``stats``,
+        at the client's ``compute_w``, ``transmit_w`` and ``idle_w``."""
         c = self.config
         return modelled_energy_j(stats.intervals, t0, t1, c.compute_w, c.transmit_w, c.idle_w)
 
