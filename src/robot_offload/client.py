@@ -19,6 +19,7 @@ from robot_offload.link import ServerLink
 from robot_offload.local_hedge import LocalHedge
 from robot_offload.mode_control import MODE_CONTROLS
 from robot_offload.models import get_spec, weights_hash
+from robot_offload.partition.planner import OBJECTIVES
 from robot_offload.pool import POLICIES, ServerDirectory, ServerPool
 from robot_offload.power import EnergyMeter
 from robot_offload.protocol import StatusCode
@@ -49,7 +50,9 @@ class ClientConfig:
     transmit_w: float = 4.25        # state model: robot power while transmitting (W)
     idle_w: float = 4.04            # state model: robot power while waiting (W)
     # layer_partition (split point + activation encoding per predicted bandwidth)
-    objective: str = "latency"      # what its plans minimise: latency | energy
+    objective: str = "latency"      # what its plans minimise: latency | energy | deadline (the
+                                    # fewest joules of the ways that meet deadline_s, else the fastest)
+    deadline_s: float = 0.1         # the latency a frame must meet under the objective deadline (s)
     error_tolerance: float = 0.005  # max relative error of layer_partition outputs (activation + output codec)
     bandwidth_bps_default: float = 50e6  # bandwidth assumed while there is no prediction (bit/s)
     server_speedup: float = 10.0    # server compute = robot compute / this, until measured
@@ -106,8 +109,10 @@ class ClientConfig:
             raise ConfigError(f"input_size must be positive, got {list(self.input_size)}")
         if not (self.compute_w >= self.idle_w >= 0 and self.transmit_w >= self.idle_w):
             raise ConfigError("need compute_w >= idle_w >= 0 and transmit_w >= idle_w")
-        if self.objective not in ("latency", "energy"):
-            raise ConfigError(f"unknown objective {self.objective!r}; known: ['latency', 'energy']")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown objective {self.objective!r}; known: {list(OBJECTIVES)}")
+        if not self.deadline_s > 0:
+            raise ConfigError("deadline_s must be > 0")
         if not (self.error_tolerance >= 0 and self.bandwidth_bps_default > 0 and self.server_speedup > 0
                 and self.rtt_s >= 0 and self.replan_threshold > 0 and self.probe_margin >= 0
                 and self.probe_known_margin >= 0 and int(self.probe_every) >= 0

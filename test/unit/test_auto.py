@@ -175,6 +175,45 @@ def test_the_energy_objective_serves_what_measured_the_fewest_joules(shared_serv
         client.close()
 
 
+@pytest.mark.parametrize("deadline_s, serves", [(0.3, LOP), (5.0, IMAGE)])
+def test_the_deadline_objective_serves_the_fewest_joules_that_meet_it(shared_server, tmp_path, monkeypatch,
+                                                                      deadline_s, serves):
+    """``objective: deadline``: the fewest joules of the candidates whose frames meet the
+    deadline. Over a dead link lop runs the model on the robot (fast, at 13.35 W); the
+    camera image's offload (predicted cheapest, as a cost model that cannot see the link
+    errs) waits 0.4 s on the link at 0.01 W. With a 0.3 s deadline the image, timed, misses
+    it, and lop serves; with 5 s the image meets it at fewer joules than lop is predicted
+    to take, and serves. Same predictions, same frames: only the deadline differs."""
+    client = _client(shared_server, "resnet18", str(tmp_path), objective="deadline", deadline_s=deadline_s,
+                     idle_w=0.01, transmit_w=0.01, transport=_SlowImages(shared_server, 0.4), hedge=False)
+    auto = client._get_backend("auto")
+    image_option = auto._image_option
+    monkeypatch.setattr(auto, "_image_option",
+                        lambda *a: dataclasses.replace(image_option(*a), energy_j=1e-3, latency_s=0.01,
+                                                       raw_latency_s=0.01))
+    try:
+        client.predicted_bandwidth_bps = 1e3     # lop's plans: all on the robot
+        ran = []
+        for k in range(12):
+            frame = _frame(client.spec, client.input_size, seed=k)
+            y, stats = client.process(frame)
+            a = stats.extra["auto"]
+            ran.append((a["candidate"], a["reason"], round(stats.processing_s, 3), round(stats.energy_j, 4)))
+            with torch.inference_mode():
+                ref = client.model(client.preprocess(frame))
+            assert_same_up_to_summation_order(y, ref, stats.plan)
+        assert "medians_mj" in a, a
+        image = [(t, e) for c, _, t, e in ran if c == IMAGE]
+        assert image and min(t for t, _ in image) >= 0.4, ran          # the image was timed
+        served = [(c, t, e) for c, reason, t, e in ran[-4:] if not reason.startswith("probe")]
+        assert served and {c for c, _, _ in served} == {serves}, ran
+        assert all(t <= deadline_s for _, t, _ in served), ran         # what serves meets it
+        if serves == IMAGE:     # fewer joules than lop, which meets it too, is predicted to take
+            assert max(e for _, e in image) < a["predicted"][LOP]["energy_mj"] / 1e3, (ran, a)
+    finally:
+        client.close()
+
+
 def test_switching_to_auto_and_losing_the_server_lose_no_frame(profile_dir):
     from robot_offload.server import OffloadServer, ServerConfig
     from devices import SERVER_DEVICE
@@ -267,7 +306,6 @@ def test_each_kind_of_prediction_is_corrected_by_its_own_errors():
     assert errors.correct(errors.correct(image)).latency_s == pytest.approx(0.035)   # not twice
     ranked = sorted([errors.correct(spatial), errors.correct(image)], key=lambda o: o.latency_s)
     assert ranked[0].kind == IMAGE
-
 
 def test_lop_frames_that_solved_or_profiled_are_no_sample(shared_server, tmp_path):
     """Over a dead link, auto's first frame of a shape is lop's first, which profiles the

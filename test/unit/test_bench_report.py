@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from robot_offload.bench.report import (comparison_table, compute_ratio_table, prediction_table,
-                                        same_work_table)
+from robot_offload.bench.report import (comparison_table, compute_ratio_table, deadline_table,
+                                        prediction_table, same_work_table)
 
 
 def _rows():
@@ -258,6 +258,20 @@ def test_the_runs_client_settings_reach_the_client_as_a_parameter_file(tmp_path)
         params = yaml.safe_load(f)
     assert params == {"objective": "energy", "hedge": False, "input_jpeg_quality": 90}
     ClientConfig(model="resnet18", **params).validate()
+    with open(BenchRunner(BenchConfig(**base, objective="deadline", deadline_s=0.25))._client_config()) as f:
+        params = yaml.safe_load(f)
+    assert params == {"objective": "deadline", "deadline_s": 0.25}
+    ClientConfig(model="resnet18", **params).validate()
+
+
+def test_the_deadline_table_counts_the_frames_that_met_it():
+    rows = [dict(model="m", trace="const10M", mode_asked=mode, latency_s=t, energy_j=e)
+            for mode, t, e in (("local", 0.05, 1.0), ("local", 0.15, 1.0), ("auto", 0.08, 0.2),
+                               ("auto", 0.09, 0.4), ("auto", 0.5, 0.0), ("auto", 0.07, 0.2))]
+    rows.append(dict(rows[0], lost=True, latency_s=9.0))       # a lost frame is no sample
+    table = deadline_table(rows, 0.1)
+    assert table.splitlines()[0] == "| model | trace | auto met % / mJ | local met % / mJ |"
+    assert table.splitlines()[2] == "| m | const10M | 75 / 200 | 50 / 1000 |"
 
 
 def test_the_lossy_input_table_measures_bytes_and_output_error():

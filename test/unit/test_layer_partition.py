@@ -75,6 +75,7 @@ def test_lossless_every_choosable_split_equals_local(shared_server, profile_dir,
         assert {"input", "output"} <= candidates
         # What the planner can choose, whatever the bandwidth, objective or load: candidates.
         for cfg in (st.cfg, dataclasses.replace(st.cfg, objective="energy"),
+                    dataclasses.replace(st.cfg, objective="deadline", deadline_s=0.01),
                     dataclasses.replace(st.cfg, robot_load=30.0)):
             assert set(PlanTable(st.profile, cfg).chosen_cuts()) <= candidates
         ref = _local(client, x)
@@ -465,8 +466,8 @@ def test_measured_choice_overrides_a_wrong_close_call(shared_server, profile_dir
 
 
 def test_client_config_validates_partition_fields():
-    for bad in (dict(objective="speed"), dict(error_tolerance=-0.1), dict(server_speedup=0),
-                dict(bandwidth_bps_default=0), dict(rtt_s=-1), dict(replan_threshold=0),
+    for bad in (dict(objective="speed"), dict(deadline_s=0), dict(deadline_s=-1), dict(error_tolerance=-0.1),
+                dict(server_speedup=0), dict(bandwidth_bps_default=0), dict(rtt_s=-1), dict(replan_threshold=0),
                 dict(partition_codecs=("int9",)), dict(partition_compressions=("lz4",))):
         with pytest.raises(ConfigError):
             ClientConfig(**bad).validate()

@@ -34,7 +34,7 @@ from robot_offload.partition.loss import (MIN_SPATIAL_GAIN, ROBOT_TAIL_MAX_SHARE
                                           RegionChoice, encodings_for,
                                           compare_solvers, load_or_solve, solve_buckets, solve_grid,
                                           table_key)
-from robot_offload.partition.cost import join_encoding, predict_schedule
+from robot_offload.partition.cost import join_encoding, objective_cost, predict_schedule
 from robot_offload.partition.choice import MeasuredChoice
 from robot_offload.partition.planner import PlannerConfig, plan_for
 from robot_offload.partition.profile import build_profile, encoding_key
@@ -430,11 +430,12 @@ def test_grid_solver_matches_or_beats_differential_evolution(shared_server, prof
             assert row["grid_objective"] <= row["de_objective"] + 1e-9, row
         # The vectorised table solver finds the scalar grid's optimum in every bucket.
         cfg = dataclasses.replace(st.cfg, buckets=(2e6, 10e6, 40e6, 150e6))
-        for objective in ("latency", "energy"):
-            cfg = dataclasses.replace(cfg, objective=objective)
+        for objective in ("latency", "energy", "deadline"):
+            # deadline: met in the faster buckets only
+            cfg = dataclasses.replace(cfg, objective=objective, deadline_s=0.6 * solve_grid(loss, 10e6, cfg).latency_s)
             for b, p in zip(cfg.buckets, solve_buckets(loss, cfg)):
                 g = solve_grid(loss, b, cfg)
-                key = (lambda q: q.latency_s) if objective == "latency" else (lambda q: q.energy_j)
+                key = lambda q: objective_cost(cfg, q.latency_s, q.energy_j)   # noqa: E731
                 assert key(p) == pytest.approx(key(g), rel=1e-9), (b, p.describe(), g.describe())
         # What does not depend on the load factors is made once; a new admission rule
         # (error tolerance) makes it again, and the solvers still agree under it.

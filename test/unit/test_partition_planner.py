@@ -17,7 +17,7 @@ from robot_offload.partition.planner import (DriftTracker, PlannerConfig, weight
                                              weighted_quantile,
                                              PlanTable, bandwidth_buckets, best_plan, options,
                                              output_error_bound)
-from robot_offload.partition.cost import predict_cut
+from robot_offload.partition.cost import MISSED_DEADLINE_J, objective_cost, predict_cut
 from robot_offload.partition.profile import CutProfile, Profile, output_error
 
 pytestmark = pytest.mark.robot_side
@@ -140,8 +140,33 @@ def test_energy_objective_offloads_where_latency_does_not():
     assert en.prediction.energy_j < lat.prediction.energy_j
 
 
+def test_deadline_objective_spends_the_fewest_joules_that_meet_it():
+    p = _profile()
+    # At 2 Mbit/s: all local 100 ms, the inner cut 175 ms at a fraction of the joules.
+    lat = best_plan(p, 2 * MB, PlannerConfig(error_tolerance=0.0)).prediction
+    en = best_plan(p, 2 * MB, PlannerConfig(objective="energy", error_tolerance=0.0)).prediction
+    assert lat.latency_s < 0.15 < en.latency_s < 0.2 and en.energy_j < lat.energy_j
+    for deadline_s, cut in ((0.2, "a,b"),       # both meet it: the fewer joules
+                            (0.15, "output"),   # only all local meets it
+                            (0.05, "output")):  # none does: the fastest
+        plan = best_plan(p, 2 * MB, PlannerConfig(objective="deadline", deadline_s=deadline_s,
+                                                  error_tolerance=0.0))
+        assert plan.cut_id == cut, (deadline_s, plan.cut_id)
+    # the cost itself: joules when met, and past the deadline more than any frame's joules,
+    # ordered by latency; arrays as scalars
+    np = pytest.importorskip("numpy")
+    cfg = PlannerConfig(objective="deadline", deadline_s=0.1)
+    lat_s, en_j = np.array([0.05, 0.1, 0.11, 0.5]), np.array([40.0, 0.2, 0.1, 0.1])
+    cost = objective_cost(cfg, lat_s, en_j, np.where)
+    assert list(cost) == [objective_cost(cfg, t, e) for t, e in zip(lat_s, en_j)]
+    assert list(cost[:2]) == [40.0, 0.2] and cost[1] < cost[0] < cost[2] < cost[3]
+    assert cost[2] == pytest.approx(MISSED_DEADLINE_J * 1.1)
+    assert objective_cost(PlannerConfig(), 0.3, 2.0) == 0.3
+    assert objective_cost(PlannerConfig(objective="energy"), 0.3, 2.0) == 2.0
+
+
 def test_planner_config_is_validated():
-    for bad in (dict(objective="speed"), dict(error_tolerance=-1), dict(server_speedup=0),
+    for bad in (dict(objective="speed"), dict(deadline_s=0), dict(error_tolerance=-1), dict(server_speedup=0),
                 dict(rtt_s=-1), dict(robot_load=0), dict(output_codec="jpeg"),
                 dict(buckets=(2e6, 1e6)), dict(error_safety=0.5)):
         with pytest.raises(ConfigError):

@@ -22,7 +22,11 @@ the bandwidth as soon as the estimate crosses into another bucket. With the ener
 objective the choice is the same on each frame's joules (the client's: a power sensor's
 where it has one, else the state model's over what the frame did) against the predicted
 joules: the cost model's energy errs as its latency does, and only a frame's measurement
-corrects it. With probing off the lower prediction serves.
+corrects it. With ``~objective: deadline`` it is on each frame's joules where the frame met
+``~deadline_s``, and on its latency, ranked after every frame that met it, where it did not
+(:func:`~robot_offload.partition.cost.objective_cost`): the fewest joules of the
+candidates whose median frame meets the deadline, else the fastest. With probing off the
+lower prediction serves.
 
 A candidate that fails (server down, deadline) raises like any backend: the client
 computes the frame locally, so a switch never loses a frame. The frame's stats say what
@@ -43,7 +47,7 @@ from robot_offload.backends.base import Backend, register_backend
 from robot_offload.backends.full_offload import FullOffloadBackend
 from robot_offload.backends.local import LocalBackend
 from robot_offload.backends.lop import LopBackend
-from robot_offload.partition.cost import predict_cut
+from robot_offload.partition.cost import objective_cost, predict_cut
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
 from robot_offload.partition.choice import MeasuredChoice
 from robot_offload.partition.profile import encoding_key
@@ -160,9 +164,8 @@ class AutoBackend(Backend):
             return self._while_preparing(frame, stats, timeout_s)
         bw = self.lop.frame_bandwidth(stats)
         i = st.table.index(bw)
-        objective = self._objective()
-        lop_options = self._lop_options(st, bw, objective)
-        options = {LOP: self._best(lop_options.values(), objective),
+        lop_options = self._lop_options(st, bw)
+        options = {LOP: self._best(lop_options.values()),
                    IMAGE: self.errors.correct(self._image_option(st, frame, bw))}
         predicted = {k: {"latency_ms": round(o.raw_latency_s * 1e3, 2),
                          "corrected_latency_ms": round(o.latency_s * 1e3, 2),
@@ -171,7 +174,7 @@ class AutoBackend(Backend):
         # what the measured choice compares: the options' predicted cost by the objective
         ranked = sorted((self._judged(o) for o in options.values()), key=lambda o: o.latency_s)
         if self.choice is None:
-            chosen, reason = ranked[0], f"lowest predicted {objective[:-2]}"
+            chosen, reason = ranked[0], self._predicted_reason(options[ranked[0].key])
         else:
             chosen, reason = self._first_probe(ranked, i), "probe: never measured"
             if chosen is None:
@@ -202,13 +205,15 @@ class AutoBackend(Backend):
             if ran is not None:
                 self.errors.observe(ran.kind, ran.raw_latency_s, measured_s, contended)
             if self.choice is not None:
-                cost = (self.ctx.frame_energy_j(stats, t0, t0 + measured_s) if objective == "energy_j"
-                        else measured_s)
-                self.choice.observe(i, self._judged(chosen), cost, contended)
+                energy_j = (self.ctx.frame_energy_j(stats, t0, t0 + measured_s)
+                            if self.ctx.config.objective != "latency" else None)
+                self.choice.observe(i, self._judged(chosen),
+                                    objective_cost(self.ctx.config, measured_s, energy_j), contended)
         detail = {"predicted": predicted, "bucket": i, "bandwidth_bps": bw}
         if self.choice is not None:
-            # the choice's medians: of the frames' joules with the energy objective
-            unit = "medians_mj" if objective == "energy_j" else "medians_ms"
+            # the choice's medians: of the frames' joules with the energy and deadline
+            # objectives (a frame past the deadline: MISSED_DEADLINE_J per deadline of latency)
+            unit = "medians_ms" if self.ctx.config.objective == "latency" else "medians_mj"
             detail[unit] = self.choice.last.get("medians_ms", {})
         self._mark(stats, chosen.key, reason, detail)
         return y
@@ -231,12 +236,11 @@ class AutoBackend(Backend):
             self._start_preparing(shape, frame)
             why = "the schedules of this input shape are being prepared in the background"
             if st is not None:
-                objective = self._objective()
                 local = self._local_option(st, bw)
                 image = self.errors.correct(self._image_option(st, frame, bw))
                 predicted = {o.key: {"latency_ms": round(o.latency_s * 1e3, 2),
                                      "energy_mj": round(o.energy_j * 1e3, 2)} for o in (local, image)}
-                if getattr(local, objective) < getattr(image, objective):
+                if self._cost(local) < self._cost(image):
                     y = self.local.infer(self.ctx.preprocess(frame, stats), stats, timeout_s)
                     self._mark(stats, LOCAL, f"{why}: the local model is predicted cheaper than "
                                "the image's offload", {"bandwidth_bps": bw, "predicted": predicted})
@@ -290,10 +294,10 @@ class AutoBackend(Backend):
         return None
 
     # -- predictions ----------------------------------------------------------------------
-    def _lop_options(self, st, bw: float, objective: str) -> Dict[str, _Option]:
+    def _lop_options(self, st, bw: float) -> Dict[str, _Option]:
         """What lop may run here, predicted at the frame's bandwidth by the cost model and
         corrected by each kind's measured errors: :data:`LOP_PARTITION`, the best, by
-        ``objective``, of layer partitioning's plan for the bucket and its alternatives
+        the objective, of layer partitioning's plan for the bucket and its alternatives
         (all local, the best full offload of the tensor, the best plan at another cut:
         lop's measured choice serves the fastest of them); and :data:`LOP_SPATIAL`, lop's
         spatial schedule for the bucket, where the bucket has one."""
@@ -301,7 +305,7 @@ class AutoBackend(Backend):
         best = None
         for plan in [st.table.plans[i]] + list(st.table.alternatives[i]):
             p = predict_cut(st.profile, st.profile.cut(plan.cut_id), plan.encoding, bw, st.cfg)
-            if best is None or getattr(p, objective) < getattr(best, objective):
+            if best is None or self._cost(p) < self._cost(best):
                 best = p
         options = {LOP_PARTITION: _Option(LOP, best.latency_s, best.energy_j, kind=LOP_PARTITION,
                                           raw_latency_s=best.latency_s)}
@@ -313,20 +317,30 @@ class AutoBackend(Backend):
                                                raw_latency_s=lp.latency_s)
         return {k: self.errors.correct(o) for k, o in options.items()}
 
+    def _cost(self, prediction) -> float:
+        """What the client's objective minimises, of a prediction (an :class:`_Option` or
+        the cost model's): its latency, its joules, or under a deadline its joules where
+        it meets the deadline (:func:`~robot_offload.partition.cost.objective_cost`)."""
+        return objective_cost(self.ctx.config, prediction.latency_s, prediction.energy_j)
+
     def _judged(self, option: _Option) -> _Option:
         """``option`` as the measured choice sees it: its ``latency_s`` is its predicted
-        cost by the objective (with the energy objective, its joules, and the choice
-        observes each frame's joules)."""
-        return replace(option, latency_s=option.energy_j) if self._objective() == "energy_j" else option
+        cost by the objective (with the energy and deadline objectives, not its latency,
+        and the choice observes each frame's cost the same way)."""
+        return option if self.ctx.config.objective == "latency" else replace(option, latency_s=self._cost(option))
 
-    @staticmethod
-    def _best(options, objective: str) -> _Option:
-        """The lop option the frame is judged by: the lower by ``objective``."""
-        return min(options, key=lambda o: getattr(o, objective))
+    def _best(self, options) -> _Option:
+        """The lop option the frame is judged by: the lower by the objective."""
+        return min(options, key=self._cost)
 
-    def _objective(self) -> str:
-        """The :class:`_Option` field the client's objective minimises."""
-        return "energy_j" if self.ctx.config.objective == "energy" else "latency_s"
+    def _predicted_reason(self, option: _Option) -> str:
+        """Why a prediction alone chose ``option`` (probing off)."""
+        objective = self.ctx.config.objective
+        if objective != "deadline":
+            return f"lowest predicted {objective}"
+        if option.latency_s <= self.ctx.config.deadline_s:
+            return "lowest predicted energy within the deadline"
+        return "lowest predicted latency (none predicted within the deadline)"
 
     @staticmethod
     def _local_option(st, bw: float) -> _Option:

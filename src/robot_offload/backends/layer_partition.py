@@ -68,7 +68,7 @@ class _ShapeState:
     cfg: PlannerConfig
     table: PlanTable
     tracker: DriftTracker
-    measured: Optional[MeasuredChoice] = None   # None: probing off (or the energy objective)
+    measured: Optional[MeasuredChoice] = None   # None: probing off (or an objective not latency)
     #: keys of the plans and schedules this client has run at least once at this shape
     #: (their kernels are set up in this process, whichever backend ran them)
     ran: set = field(default_factory=set)
@@ -146,8 +146,8 @@ class LayerPartitionBackend(Backend):
     # -- profiles and plans -------------------------------------------------------------
     def planner_config(self) -> PlannerConfig:
         c = self.ctx.config
-        return PlannerConfig(objective=c.objective, error_tolerance=c.error_tolerance,
-                             server_speedup=c.server_speedup, rtt_s=c.rtt_s,
+        return PlannerConfig(objective=c.objective, deadline_s=c.deadline_s,
+                             error_tolerance=c.error_tolerance, server_speedup=c.server_speedup, rtt_s=c.rtt_s,
                              compute_w=c.compute_w, transmit_w=c.transmit_w, idle_w=c.idle_w,
                              output_codec=c.output_codec).validate()
 

@@ -17,6 +17,7 @@ from robot_offload.bench.report import write_report
 from robot_offload.bench.runner import BenchConfig, BenchRunner
 from robot_offload.camera import open_source
 from robot_offload.errors import ConfigError
+from robot_offload.partition.planner import OBJECTIVES
 
 FULL = dict(models=["resnet101", "vgg19", "kapao_l", "agrnav"], modes=["local", "full_offload"],
             traces=["const:10", "const:50", "const:100", "indoor", "outdoor"], frames=20,
@@ -44,8 +45,10 @@ def main(argv=None):
                          "of seconds")
     ap.add_argument("--robot-cpus", type=float, default=0.5, help="CPU quota of the robot side (0 = none)")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="client deadline per frame")
-    ap.add_argument("--objective", choices=("latency", "energy"), default="latency",
+    ap.add_argument("--objective", choices=OBJECTIVES, default="latency",
                     help="what the client's plans and auto minimise (its objective parameter)")
+    ap.add_argument("--deadline-s", type=float, default=0.1,
+                    help="with --objective deadline: the latency a frame must meet (its deadline_s)")
     ap.add_argument("--no-hedge", action="store_true",
                     help="the client hedges no late call (its hedge parameter false)")
     ap.add_argument("--input-jpeg-quality", type=int, default=0, metavar="Q",
@@ -85,6 +88,8 @@ def main(argv=None):
                          "send the camera's uint8 image, at 640,480 a 224 x 224 model's float input")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
+    if not args.deadline_s > 0:
+        ap.error(f"--deadline-s must be > 0, got {args.deadline_s:g}")
     try:
         open_source(args.frames_source, 8, 8).close()   # fail here, not in every segment's driver
         camera_size = tuple(int(v) for v in args.camera_size.split(","))
@@ -129,7 +134,7 @@ def main(argv=None):
                       paired_trace=not args.no_paired_trace, pin_cpus=args.pin_cpus,
                       frames_source=args.frames_source, camera_size=camera_size, min_span_s=args.min_span_s,
                       max_frames=args.max_frames, settle_s=args.settle_s, progress=progress,
-                      objective=args.objective, hedge=not args.no_hedge,
+                      objective=args.objective, deadline_s=args.deadline_s, hedge=not args.no_hedge,
                       input_jpeg_quality=args.input_jpeg_quality,
                       **profile)
     runner = BenchRunner(cfg)

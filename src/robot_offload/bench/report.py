@@ -248,6 +248,27 @@ def oracle_table(rows: Sequence[dict], chooser: str = "auto", metric: str = "lat
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def deadline_table(rows: Sequence[dict], deadline_s: float) -> str:
+    """Per model and trace: for every mode, the share of frames that met ``deadline_s`` and
+    the mean joules per inference (mJ): what ``~objective: deadline`` trades (the fewest
+    joules of the ways that meet the deadline)."""
+    frames = [r for r in rows if not r.get("lost")]
+    modes = sorted({r["mode_asked"] for r in frames})
+    lines = ["| model | trace | " + " | ".join(f"{m} met % / mJ" for m in modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
+    for (model, trace), rs in sorted(_group(frames, ("model", "trace")).items()):
+        cells = []
+        for m in modes:
+            ms = [r for r in rs if r["mode_asked"] == m]
+            if not ms:
+                cells.append("")
+                continue
+            met = 100.0 * np.mean([float(r["latency_s"]) <= deadline_s for r in ms])
+            cells.append(f"{met:.0f} / {1e3 * float(np.nanmean([float(r.get('energy_j', 'nan')) for r in ms])):.0f}")
+        lines.append(f"| {model} | {trace} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def prediction_table(rows: Sequence[dict]) -> str:
     """The cost model's predicted latency against the measured one, per model and mode
     (frames with a prediction: layer_partition, lop, and auto per candidate), with the
@@ -508,6 +529,12 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                "The client's objective was energy. The same references chosen by the robot's "
                "joules per inference (the power model's, see the Results' j_per_inference) "
                "instead of latency.\n", energy, ""]
+    cfg = getattr(runner, "cfg", None)
+    if frames and getattr(cfg, "objective", "latency") == "deadline":
+        md += ["## Joules under a deadline\n",
+               f"The client's objective was deadline ({1e3 * cfg.deadline_s:g} ms): the fewest "
+               "joules of the ways that meet it. Per mode, the frames that met it and the "
+               "robot's joules per inference.\n", deadline_table(frames, cfg.deadline_s), ""]
     md += ["## Planner prediction\n", prediction_table(frames)]
     online = frames_online_table(frames, traces)
     if online:

@@ -69,7 +69,8 @@ class BenchConfig:
                                      # like a photograph; synthetic (flat squares) 100x or more,
                                      # which makes sending the input look nearly free
     camera_size: Tuple[int, int] = (640, 480)   # image frames' width and height (px)
-    objective: str = "latency"       # the client's objective parameter (latency | energy)
+    objective: str = "latency"       # the client's objective parameter (latency | energy | deadline)
+    deadline_s: float = 0.1          # the client's deadline_s (objective deadline)
     hedge: bool = True               # the client's hedge parameter (a late call hedged)
     input_jpeg_quality: int = 0      # the client's input_jpeg_quality (frames as JPEG; 0 = off)
 
@@ -162,6 +163,8 @@ class BenchRunner:
         params = {}
         if self.cfg.objective != "latency":
             params["objective"] = self.cfg.objective
+        if self.cfg.objective == "deadline":
+            params["deadline_s"] = float(self.cfg.deadline_s)
         if not self.cfg.hedge:
             params["hedge"] = "false"
         if self.cfg.input_jpeg_quality:
@@ -199,7 +202,8 @@ class BenchRunner:
                                   "the bandwidth trace, and frame i + 1 where the slowest mode's "
                                   "frame i ended (frames.csv: trace_s)")
             if cfg.objective != "latency":
-                self.notes.append(f"client objective: {cfg.objective} (what the plans of "
+                deadline = f", deadline {1e3 * cfg.deadline_s:g} ms" if cfg.objective == "deadline" else ""
+                self.notes.append(f"client objective: {cfg.objective}{deadline} (what the plans of "
                                   "layer_partition and lop, and auto's choice, minimise)")
             if not cfg.hedge:
                 self.notes.append("hedging off (hedge: false): no late call is hedged")

@@ -170,9 +170,9 @@ class MeasuredChoice:
     def from_client_config(cls, c, measures_energy: bool = False) -> Optional["MeasuredChoice"]:
         """The measured choice a client's backends use (``probe_margin``, ``probe_every``,
         ``probe_known_margin``), or None where there is none: probing off
-        (``probe_every`` 0), or the energy objective for a caller that times its frames
-        only (``measures_energy``: it observes each frame's joules, and gives the energy
-        predictions as the plans' ``latency_s``)."""
+        (``probe_every`` 0), or the energy and deadline objectives for a caller that times
+        its frames only (``measures_energy``: it observes each frame's cost by the
+        objective, and gives the predicted costs as the plans' ``latency_s``)."""
         if int(c.probe_every) > 0 and (c.objective == "latency" or measures_energy):
             return cls(margin=c.probe_margin, every=int(c.probe_every), known_margin=c.probe_known_margin)
         return None

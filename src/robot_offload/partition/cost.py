@@ -22,6 +22,10 @@ compute power while the robot computes, transmit power while it waits for bytes 
 or receives, idle power for the rest of the frame. For a cut, whose phases run in
 sequence, that is ``compute_w * (head + encode) + transmit_w * (up + down) + idle_w *
 (rtt + server)``.
+
+What a plan minimises (:func:`objective_cost`): its latency, its energy, or, under a
+deadline, its energy where its latency meets the deadline, and else its latency, ranked
+after every plan that meets it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,30 @@ def state_energy_j(cfg: "PlannerConfig", busy_s, latency_s, transmit_s, maximum=
     waiting = maximum(0.0, latency_s - busy_s)
     return (cfg.compute_w * busy_s + cfg.transmit_w * minimum(waiting, transmit_s)
             + cfg.idle_w * maximum(0.0, waiting - transmit_s))
+
+
+#: the objective ``deadline`` counts a frame past the deadline as this many joules per
+#: deadline of its latency: more than any frame's energy (a robot drawing 20 W for 50 s),
+#: so every way that meets the deadline ranks before every way that misses it, and among
+#: those that miss it the faster ranks first
+MISSED_DEADLINE_J = 1000.0
+
+
+def objective_cost(cfg, latency_s, energy_j, where=None):
+    """What ``cfg.objective`` minimises, of a frame (predicted or measured) that takes
+    ``latency_s`` and ``energy_j``: ``latency`` its latency (s), ``energy`` its energy (J),
+    ``deadline`` its energy when ``latency_s <= cfg.deadline_s``, else
+    :data:`MISSED_DEADLINE_J` times ``latency_s / cfg.deadline_s``. ``cfg``: a
+    :class:`~robot_offload.partition.planner.PlannerConfig` or a client's config. Arrays
+    too, with ``where=np.where``."""
+    if cfg.objective == "latency":
+        return latency_s
+    if cfg.objective == "energy":
+        return energy_j
+    missed = MISSED_DEADLINE_J * latency_s / cfg.deadline_s
+    if where is None:
+        return energy_j if latency_s <= cfg.deadline_s else missed
+    return where(latency_s <= cfg.deadline_s, energy_j, missed)
 
 
 @dataclass(frozen=True)

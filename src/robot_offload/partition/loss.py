@@ -97,7 +97,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from robot_offload import background
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
-from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, join_encoding, output_bytes,
+from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, objective_cost, join_encoding, output_bytes,
                                           predict_schedule, state_energy_j, tails_s, wire_ratio)
 from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, error_budget,
                                              options)
@@ -464,7 +464,7 @@ def encodings_for(profile: Profile, cand: Candidate, cfg: PlannerConfig) -> List
 
 
 def _objective(p, cfg: PlannerConfig) -> float:
-    return p.latency_s if cfg.objective == "latency" else p.energy_j
+    return objective_cost(cfg, p.latency_s, p.energy_j)
 
 
 def _lop_plan(cand: Candidate, encoding: str, p: LopPrediction, bw: float,
@@ -509,7 +509,7 @@ def solve_grid(loss: Loss, bandwidth_bps: float, cfg: PlannerConfig,
                 best, best_key = _lop_plan(cand, e, p, bandwidth_bps, err), key
     if not spatial_only:
         lp = best_plan(loss.profile, bandwidth_bps, cfg, options(loss.profile, cfg))
-        lp_obj = lp.prediction.latency_s if cfg.objective == "latency" else lp.prediction.energy_j
+        lp_obj = _objective(lp.prediction, cfg)
         if best_key is None or not _spatial_wins(best_key[0], lp_obj, min_gain):
             best = _partition_plan(lp)
     if best is None:
@@ -563,17 +563,17 @@ def solve_buckets(loss: Loss, cfg: PlannerConfig, min_gain: float = MIN_SPATIAL_
     latency = np.where(joins, np.maximum(robot, s_ready + down_s + cfg.rtt_s / 2),
                        np.maximum(b_in, s_ready) + server_tail + down_s + cfg.rtt_s / 2) + robot_tail
     latency = latency + cfg.spatial_overhead_s
-    if cfg.objective == "latency":
-        obj = latency
-    else:
+    energy = None
+    if cfg.objective != "latency":
         tx = (a_bytes[:, None] + b_bytes[:, None] + down_bytes) * 8.0 / bw
-        obj = state_energy_j(cfg, robot + robot_tail, latency, tx, np.maximum, np.minimum)
+        energy = state_energy_j(cfg, robot + robot_tail, latency, tx, np.maximum, np.minimum)
+    obj = objective_cost(cfg, latency, energy, np.where)
     obj = np.where(np.isnan(obj), np.inf, obj)
     plans = []
     best = obj.argmin(axis=0)
     for k, b in enumerate(cfg.buckets):
         lp_plan = lp[k]
-        lp_obj = lp_plan.latency_s if cfg.objective == "latency" else lp_plan.energy_j
+        lp_obj = _objective(lp_plan, cfg)
         row = int(best[k])
         if not _spatial_wins(float(obj[row, k]), lp_obj, min_gain):
             plans.append(lp_plan)
@@ -639,10 +639,9 @@ def compare_solvers(loss: Loss, cfg: PlannerConfig, bandwidths: List[float]) -> 
         t2 = time.perf_counter()
         scale = 1e3
         rows.append({"bandwidth_mbps": bw / 1e6,
-                     "grid_objective": scale * (g.latency_s if cfg.objective == "latency" else g.energy_j),
+                     "grid_objective": scale * _objective(g, cfg),
                      "grid_s": t1 - t0,
-                     "de_objective": (scale * (d.latency_s if cfg.objective == "latency" else d.energy_j)
-                                      if d is not None else math.inf),
+                     "de_objective": scale * _objective(d, cfg) if d is not None else math.inf,
                      "de_s": t2 - t1, "de_evaluations": evals})
     return rows
 

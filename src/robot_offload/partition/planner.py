@@ -31,12 +31,13 @@ from typing import Dict, List, Optional, Tuple
 
 from robot_offload import background, codec
 from robot_offload.errors import ConfigError
-from robot_offload.partition.cost import Prediction, output_bytes, predict_cut
+from robot_offload.partition.cost import Prediction, objective_cost, output_bytes, predict_cut
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT
 from robot_offload.partition.profile import (CutProfile, Profile, encoding_key, split_encoding)
 from robot_offload.power import COMPUTE_W, IDLE_W, TRANSMIT_W
 
-OBJECTIVES = ("latency", "energy")
+#: what plans minimise (:func:`~robot_offload.partition.cost.objective_cost`)
+OBJECTIVES = ("latency", "energy", "deadline")
 
 
 def bandwidth_buckets(lo_bps: float = 1e6, hi_bps: float = 200e6, n: int = 24) -> Tuple[float, ...]:
@@ -49,7 +50,8 @@ def bandwidth_buckets(lo_bps: float = 1e6, hi_bps: float = 200e6, n: int = 24) -
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    objective: str = "latency"          # latency | energy
+    objective: str = "latency"          # latency | energy | deadline (see cost.objective_cost)
+    deadline_s: float = 0.1             # objective deadline: the latency a frame must meet
     error_tolerance: float = 0.005      # max relative output error (profile.output_error) of
                                         # the returned outputs: activation + output codec
     error_safety: float = 2.0           # profiled activation error * this must fit error_budget
@@ -76,6 +78,8 @@ class PlannerConfig:
     def validate(self) -> "PlannerConfig":
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown objective {self.objective!r}; known: {list(OBJECTIVES)}")
+        if not self.deadline_s > 0:
+            raise ConfigError("deadline_s must be > 0")
         if not self.error_tolerance >= 0 or not self.error_safety >= 1:
             raise ConfigError("error_tolerance must be >= 0 and error_safety >= 1")
         if not self.server_speedup > 0 or not self.rtt_s >= 0:
@@ -208,7 +212,7 @@ def _ranked(profile: Profile, bandwidth_bps: float, cfg: PlannerConfig,
     for c, e, err in choices:
         background.checkpoint()         # hundreds of these make a re-plan's bucket
         p = predict_cut(profile, c, e, bandwidth_bps, cfg, down)
-        obj = p.latency_s if cfg.objective == "latency" else p.energy_j
+        obj = objective_cost(cfg, p.latency_s, p.energy_j)
         scored.append((obj, p.bytes_up, err, (c, e, err, p)))
     best = min(obj for obj, _, _, _ in scored)
     tied = best + cfg.tie_margin * abs(best)
