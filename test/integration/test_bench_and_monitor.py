@@ -75,22 +75,23 @@ def test_monitor_follows_rate_change_and_energy_in_stats(tmp_path):
         assert before > 35e6, at50
         t_change = time.monotonic()
         tb.set_rate(10e6)
-        after = estimates.rows(time.monotonic() + 4)
+        after = estimates.rows(time.monotonic() + 4.5)
         # Passive samples alone follow within one frame's transfer (0.5 s for 600 KB at
         # 10 Mbit/s) after the one in flight, which itself may need up to 0.5 s more at the
-        # new rate and reads in between; the probes (every 0.25 s) add more. So: within
-        # 1.5 s the estimate has dropped to under twice the new rate (a CI run saw only
-        # the straddling sample, 27 Mbit/s, in the first 0.6 s), and within 3 s one reads
-        # within +-40 %.
+        # new rate and reads in between; the probes (every 0.25 s) add more. On a loaded
+        # machine the frames and probes come later (a CI run read only the straddling
+        # sample, 31.7 Mbit/s, for the first 0.6 s and none under 20 Mbit/s by 1.5 s).
+        # So: within 2.5 s the estimate has dropped to under twice the new rate, and
+        # within 4 s one reads within +-40 %.
         est = [(t - t_change, float(r["field.measured_bps"])) for t, r in after]
-        soon = [(dt, bps) for dt, bps in est if dt <= 1.5]
-        assert any(bps < 20e6 for _, bps in soon), soon
-        assert any(6e6 < bps < 14e6 for dt, bps in est if dt <= 3.0), est
+        soon = [(dt, bps) for dt, bps in est if dt <= 2.5]
+        assert any(bps < 20e6 for _, bps in soon), est
+        assert any(6e6 < bps < 14e6 for dt, bps in est if dt <= 4.0), est
         assert before > 3 * min(bps for _, bps in soon), (before, soon)
         # the forecast clients use follows too: a drop under half lowers it once a second
         # transfer agrees (PassiveEstimator.add)
         predicted = [(t - t_change, float(r["field.predicted_bps"])) for t, r in after]
-        assert any(bps < 20e6 for dt, bps in predicted if dt <= 3.0), predicted
+        assert any(bps < 20e6 for dt, bps in predicted if dt <= 4.0), predicted
         stat_rows = [r for _, r in stats.rows(time.monotonic() + 3)]
         power_rows = [r for _, r in power.rows(time.monotonic() + 2)]
         assert stat_rows and power_rows

@@ -1025,3 +1025,34 @@ def test_compiled_replay_matches_eager_with_multi_outputs_lists_and_continuation
     resp = server.handle("compute", _ops_request({"replay": {"id": "seq", "n": 5, "inputs": [[0, {"h": h_x}]]}},
                                                  session=sid))
     assert resp.status == StatusCode.STALE_HANDLE, resp.status_text
+
+
+def test_stats_written_by_the_periodic_and_the_final_writer_at_once_stay_whole(tmp_path):
+    """``--stats-out`` is rewritten every few seconds on a thread and once more at the end:
+    the two writers at once never lose a file (one's temporary file renamed by the other)
+    or leave half of one."""
+    import json
+    import threading
+    from types import SimpleNamespace
+    from robot_offload.transparent import launcher
+
+    args = SimpleNamespace(stats_out=str(tmp_path / "stats.json"), mode="auto")
+    session = SimpleNamespace(stats=SimpleNamespace(summary=lambda: {"round_trips": 3}), not_static=False)
+    errors = []
+
+    def writer():
+        for _ in range(400):
+            try:
+                launcher._write_stats(args, session)
+            except OSError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    with open(args.stats_out) as f:
+        assert json.load(f) == {"round_trips": 3, "mode": "auto", "not_static": False}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]     # no temporary left

@@ -126,14 +126,18 @@ def main(argv=None, make_call=None) -> int:
         return 2
     t0 = time.perf_counter()
     stop = threading.Event()
+    writer = None
     if args.stats_out:
         # Also while the program runs: a node stopped by roslaunch may be killed mid-frame.
-        threading.Thread(target=_write_stats_every, args=(args, session, stop, STATS_EVERY_S),
-                         daemon=True, name="transparent-stats").start()
+        writer = threading.Thread(target=_write_stats_every, args=(args, session, stop, STATS_EVERY_S),
+                                  daemon=True, name="transparent-stats")
+        writer.start()
     try:
         return run_program(command, session)
     finally:
         stop.set()
+        if writer is not None:
+            writer.join(timeout=5.0)     # its last write before the final one
         # also when the program raised: what ran until then is reported, then the
         # exception goes on
         try:
@@ -163,8 +167,10 @@ STATS_EVERY_S = 2.0
 
 
 def _write_stats(args, session: RemoteSession) -> None:
-    """The session's counters as JSON in ``--stats-out``, replaced at once (never half a file)."""
-    tmp = args.stats_out + ".partial"
+    """The session's counters as JSON in ``--stats-out``, replaced at once (never half a
+    file). Each writer has its own temporary file: the periodic writer and the final one
+    may overlap, and with one name each could rename the other's."""
+    tmp = f"{args.stats_out}.{os.getpid()}-{threading.get_ident()}.partial"
     with open(tmp, "w") as f:
         json.dump(dict(session.stats.summary(), mode=args.mode, not_static=session.not_static), f, indent=1)
     os.replace(tmp, args.stats_out)
