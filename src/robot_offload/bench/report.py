@@ -523,14 +523,15 @@ def write_report(rows, runner, traces, out_dir, command: str) -> str:
                f"(unattainable, for information). Where frames last longer than a window, "
                f"each window holds one frame of each mode, and the oracle is frame-min.\n",
                oracle, ""]
-    energy = oracle_table(frames, metric="energy_j")
-    if energy and getattr(getattr(runner, "cfg", None), "objective", "latency") == "energy":
+    cfg = getattr(runner, "cfg", None)
+    objective = getattr(cfg, "objective", "latency")
+    energy = oracle_table(frames, metric="energy_j") if objective == "energy" else ""
+    if energy:
         md += ["## auto against the fixed modes: energy per inference\n",
                "The client's objective was energy. The same references chosen by the robot's "
                "joules per inference (the power model's, see the Results' j_per_inference) "
                "instead of latency.\n", energy, ""]
-    cfg = getattr(runner, "cfg", None)
-    if frames and getattr(cfg, "objective", "latency") == "deadline":
+    if frames and objective == "deadline":
         md += ["## Joules under a deadline\n",
                f"The client's objective was deadline ({1e3 * cfg.deadline_s:g} ms): the fewest "
                "joules of the ways that meet it. Per mode, the frames that met it and the "

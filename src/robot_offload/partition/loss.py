@@ -97,8 +97,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from robot_offload import background
 from robot_offload.errors import ConfigError
 from robot_offload.partition.graph import INPUT_CUT, OUTPUT_CUT, CutError, ModelGraph
-from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, objective_cost, join_encoding, output_bytes,
-                                          predict_schedule, state_energy_j, tails_s, wire_ratio)
+from robot_offload.partition.cost import (LopPrediction, encode_s_per_byte, join_encoding, objective_cost,
+                                          output_bytes, predict_schedule, state_energy_j, tails_s, wire_ratio)
 from robot_offload.partition.planner import (Plan, PlannerConfig, admits, best_plan, error_budget,
                                              options)
 from robot_offload.partition.profile import (CutProfile, Profile, split_encoding)
